@@ -10,7 +10,7 @@ import warnings
 from typing import Literal
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import LazyStackedTensorDict, TensorDictBase
 from torch import distributions as d
 from torchrl.modules.llm import LLMWrapperBase
 from torchrl.objectives.llm.grpo import GRPOLoss, LLMLossOutput
@@ -22,6 +22,8 @@ __all__ = ["GSPOLoss", "GSPOLossOutput", "GSPOTokenLoss", "GSPOTokenLossOutput"]
 _ADVANTAGE_HAS_VALUE = "_gspo_advantage_has_value"
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _AGGREGATIONS = ("prompt_mean", "token_mean", "none")
+_RESPONSE_KEY = ("tokens", "response")
+_RESPONSE_MASK_CHECKS = ("raise", "warn", "ignore")
 
 
 class GSPOLossOutput(LLMLossOutput):
@@ -143,6 +145,15 @@ class GSPOLoss(GRPOLoss):
         max_log_ratio (float | None, optional): upper clamp applied to the
             sequence log-ratio before exponentiation, ``None`` to disable.
             Defaults to ``10.0``.
+        response_mask_check (Literal["raise", "warn", "ignore"], optional): with
+            ``masking_strategy="sft"`` and a lazily stacked batch that carries the
+            sampled responses at ``("tokens", "response")``, each row's number of
+            valid tokens must equal its response length, since :math:`|y_i|`
+            divides every sequence log-ratio. A mismatch (e.g. a training wrapper
+            with ``pad_output=True`` on ragged rows, which counts prompt tokens of
+            the shorter rows as response) raises, warns or is ignored. Multi-turn
+            strategies (``"rlhf"``, ``"generic"``) are not checked. Defaults to
+            ``"raise"``.
         **kwargs: every other keyword argument of
             :class:`~torchrl.objectives.llm.GRPOLoss` (``entropy_bonus``,
             ``entropy_coeff``, ``kl_to_ref_coeff``, ``kl_to_inference_coeff``,
@@ -194,8 +205,14 @@ class GSPOLoss(GRPOLoss):
         clip_epsilon: float | tuple[float, float] = (3e-4, 4e-4),
         aggregation: Literal["prompt_mean", "token_mean", "none"] = "prompt_mean",
         max_log_ratio: float | None = 10.0,
+        response_mask_check: Literal["raise", "warn", "ignore"] = "raise",
         **kwargs,
     ) -> None:
+        if response_mask_check not in _RESPONSE_MASK_CHECKS:
+            raise ValueError(
+                f"response_mask_check must be one of {_RESPONSE_MASK_CHECKS}, "
+                f"got {response_mask_check!r}."
+            )
         if aggregation not in _AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {_AGGREGATIONS}, got {aggregation!r}.")
         if aggregation == "token_mean":
@@ -223,6 +240,7 @@ class GSPOLoss(GRPOLoss):
             device = getattr(self, name).device
             setattr(self, name, torch.tensor(float(value), dtype=torch.float64, device=device))
         self.max_log_ratio = max_log_ratio
+        self.response_mask_check = response_mask_check
         self._warned_half_precision = False
         self._sequence_stats: dict[str, torch.Tensor] | None = None
 
@@ -364,6 +382,36 @@ class GSPOLoss(GRPOLoss):
                 "(GSPO-token, paper section 4.3)."
             )
 
+    def _check_response_mask(self, tensordict: TensorDictBase, mask: torch.Tensor) -> None:
+        if (
+            self.response_mask_check == "ignore"
+            or self.masking_strategy != "sft"
+            or not isinstance(tensordict, LazyStackedTensorDict)
+            or _RESPONSE_KEY not in tensordict.keys(include_nested=True)
+            or torch.compiler.is_compiling()
+        ):
+            return
+        responses = tensordict.get(_RESPONSE_KEY, as_list=True)
+        lengths = torch.tensor([r.shape[-1] for r in responses], device=mask.device)
+        counts = mask.sum(-1)
+        wrong = counts != lengths
+        if not wrong.any():
+            return
+        rows = wrong.nonzero().squeeze(-1).tolist()
+        message = (
+            f"{type(self).__name__}: the 'sft' loss mask does not match the sampled "
+            f"responses at {_RESPONSE_KEY!r} in batch row(s) {rows}: valid tokens "
+            f"{counts[wrong].tolist()} vs response lengths {lengths[wrong].tolist()}. "
+            "GSPO divides each sequence log-ratio by this count, so those ratios are "
+            "wrong. Known cause: a training wrapper with pad_output=True on ragged rows. "
+            "Working configuration: TransformersWrapper(input_mode='tokens', "
+            "generate=False, return_log_probs=True, pad_output=False) on lazily stacked "
+            "data. Pass response_mask_check='warn' or 'ignore' to override."
+        )
+        if self.response_mask_check == "raise":
+            raise ValueError(message)
+        warnings.warn(message, UserWarning, stacklevel=4)
+
     def _sequence_log_ratio(
         self, token_log_ratio: torch.Tensor, mask: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -419,6 +467,7 @@ class GSPOLoss(GRPOLoss):
     ) -> tuple[torch.Tensor, d.Distribution, torch.Tensor, torch.Tensor]:
         token_log_weight, dist, kl_approx, mask = super()._log_weight(tensordict, adv_shape)
         self._check_advantage(tensordict, mask)
+        self._check_response_mask(tensordict, mask)
         log_ratio, lengths = self._sequence_log_ratio(token_log_weight.squeeze(-1), mask)
         self._sequence_stats = self._sequence_diagnostics(log_ratio, lengths)
         if self.max_log_ratio is not None:
