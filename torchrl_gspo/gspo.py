@@ -27,34 +27,46 @@ _RESPONSE_MASK_CHECKS = ("raise", "warn", "ignore")
 
 
 class GSPOLossOutput(LLMLossOutput):
-    """GSPO loss output.
-
-    The fields inherited from :class:`~torchrl.objectives.llm.LLMLossOutput` keep
-    their names, but ``clip_fraction`` and ``ESS`` are computed at the sequence
-    level (see :class:`GSPOLoss`). All diagnostics are detached 0-dim tensors; none
-    of their names starts with ``loss_``, so trainers that sum the ``loss_*``
-    entries do not pick them up.
-
-    Attributes:
-        clip_fraction_low (torch.Tensor): fraction of valid response tokens whose
-            sequence ratio lies below ``1 - eps_low``.
-        clip_fraction_high (torch.Tensor): fraction of valid response tokens whose
-            sequence ratio lies above ``1 + eps_high``.
-            ``clip_fraction == clip_fraction_low + clip_fraction_high``.
-        sequence_clip_fraction (torch.Tensor): fraction of non-empty sequences whose
-            ratio lies outside ``[1 - eps_low, 1 + eps_high]`` (every sequence
-            weighted equally).
-        sequence_log_ratio (torch.Tensor): mean of the sequence log-ratios
-            :math:`\\log s_i` over non-empty sequences (0 on-policy).
-        sequence_log_ratio_max_abs (torch.Tensor): largest :math:`|\\log s_i|` over
-            non-empty sequences.
-    """
-
     clip_fraction_low: torch.Tensor | None = None
     clip_fraction_high: torch.Tensor | None = None
     sequence_clip_fraction: torch.Tensor | None = None
     sequence_log_ratio: torch.Tensor | None = None
     sequence_log_ratio_max_abs: torch.Tensor | None = None
+
+
+# Building a tensorclass replaces the class docstring with the generated signature;
+# set it afterwards so that help() and the API docs show it.
+GSPOLossOutput.__doc__ = """GSPO loss output.
+
+The fields inherited from :class:`~torchrl.objectives.llm.LLMLossOutput` keep
+their names, but ``clip_fraction`` and ``ESS`` are computed at the sequence
+level (see :class:`GSPOLoss`). All diagnostics are detached 0-dim tensors; none
+of their names starts with ``loss_``, so trainers that sum the ``loss_*``
+entries do not pick them up.
+
+Attributes:
+    clip_fraction_low (torch.Tensor): fraction of valid response tokens whose
+        sequence ratio lies below ``1 - eps_low``.
+    clip_fraction_high (torch.Tensor): fraction of valid response tokens whose
+        sequence ratio lies above ``1 + eps_high``.
+        ``clip_fraction == clip_fraction_low + clip_fraction_high``.
+    sequence_clip_fraction (torch.Tensor): fraction of non-empty sequences whose
+        ratio lies outside ``[1 - eps_low, 1 + eps_high]`` (every sequence
+        weighted equally).
+    sequence_log_ratio (torch.Tensor): mean of the sequence log-ratios
+        :math:`\\log s_i` over non-empty sequences (0 on-policy).
+    sequence_log_ratio_max_abs (torch.Tensor): largest :math:`|\\log s_i|` over
+        non-empty sequences.
+
+Examples:
+    >>> import torch
+    >>> from torchrl_gspo import GSPOLossOutput
+    >>> out = GSPOLossOutput(loss_objective=torch.tensor(-0.3), clip_fraction=torch.tensor(0.2),
+    ...     kl_approx=torch.tensor(0.0), ESS=torch.tensor(0.98), batch_size=[])
+    >>> total = sum(v for k, v in out.items() if k.startswith("loss_"))  # what trainers do
+    >>> float(total)
+    -0.30000001192092896
+"""
 
 
 class GSPOLoss(GRPOLoss):
@@ -489,7 +501,19 @@ class GSPOLoss(GRPOLoss):
 
 
 class GSPOTokenLossOutput(GSPOLossOutput):
-    """GSPO-token loss output: the same fields as :class:`GSPOLossOutput`."""
+    pass
+
+
+GSPOTokenLossOutput.__doc__ = """GSPO-token loss output: the same fields as :class:`GSPOLossOutput`.
+
+Examples:
+    >>> import torch
+    >>> from torchrl_gspo import GSPOLossOutput, GSPOTokenLossOutput
+    >>> out = GSPOTokenLossOutput(loss_objective=torch.tensor(0.1), clip_fraction=torch.tensor(0.0),
+    ...     kl_approx=torch.tensor(0.0), ESS=torch.tensor(1.0), batch_size=[])
+    >>> isinstance(out, GSPOLossOutput), out.sequence_log_ratio is None
+    (True, True)
+"""
 
 
 class GSPOTokenLoss(GSPOLoss):

@@ -101,7 +101,7 @@ myst_heading_anchors = 3
 
 # -- HTML output ---------------------------------------------------------------
 
-html_theme = os.environ.get("GSPO_DOCS_THEME", "pydata_sphinx_theme")
+html_theme = "pydata_sphinx_theme"
 html_title = f"torchrl_gspo {version}"
 html_static_path = ["_static"]
 html_css_files = ["css/custom.css"]
@@ -111,6 +111,7 @@ _GUIDE_PAGES = ("index", "getting_started", "math", "migration", "validation")
 html_sidebars = {page: [] for page in _GUIDE_PAGES}
 html_theme_options = {
     "navigation_with_keys": False,
+    "navbar_align": "left",
     "show_prev_next": True,
     # The API pages hold one class each: no "on this page" column there.
     "secondary_sidebar_items": {page: ["page-toc"] for page in (*_GUIDE_PAGES, "reference")},

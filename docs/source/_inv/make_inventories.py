@@ -7,9 +7,9 @@
 The documentation builds without network access, so intersphinx cannot download
 the ``objects.inv`` of Python, PyTorch, tensordict and TorchRL. Instead,
 ``conf.py`` points intersphinx at the real online documentation and reads the
-inventory from the files written here, which list only the external objects these
-pages reference. Each URI below is the page where the upstream documentation
-renders that object.
+inventory from the files written here. They list the external objects that these
+pages and the package's docstrings reference, and a few close neighbours; each URI
+is the page where the upstream documentation renders that object.
 
 When a page or a docstring starts referencing another external object, the
 nitpicky build fails on it: add the object to ``INVENTORIES`` and run::
