@@ -187,3 +187,101 @@ def test_example_runs_and_writes_its_files(tmp_path):
         ["--steps", "1", "--loss", "gspo-token", "--out", str(tmp_path), "--no-progress"]
     )
     assert token["gspo-token"]["steps"] == 1
+
+
+def _chat_setup():
+    """A character tokenizer with ChatML special tokens and a tiny Qwen2, built in code."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    specials = ["<pad>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate([*specials, *string.ascii_lowercase, "\n", " "])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens(specials)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        pad_token_id=0,
+        eos_token_id=2,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    # favour the end-of-turn token so that responses end at different lengths
+    eos_bias = torch.zeros(len(vocab))
+    eos_bias[vocab["<|im_end|>"]] = 2.0
+    model.lm_head.register_forward_hook(lambda module, args, output: output + eos_bias)
+    return tokenizer, model, vocab
+
+
+def test_history_mode_with_rlhf_masking():
+    """History input (ChatML template), masking_strategy="rlhf".
+
+    What the rlhf mask covers: the assistant tokens between the template's generation
+    markers, i.e. the sampled response *without* its final end-of-turn token (the
+    template writes ``<|im_end|>`` outside the markers). Whitespace is banned from
+    sampling because the history round trip strips it, which would change the tokens.
+    """
+    from torchrl.data.llm import History
+    from torchrl.modules.llm.policies import ChatHistory
+
+    tokenizer, model, vocab = _chat_setup()
+    eos = vocab["<|im_end|>"]
+    common = {"tokenizer": tokenizer, "input_mode": "history", "pad_output": False}
+    common["chat_template_name"] = "chatml_format"
+    banned = [[vocab["<pad>"]], [vocab["<|im_start|>"]], [vocab[" "]], [vocab["\n"]]]
+    generator = TransformersWrapper(
+        model,
+        generate=True,
+        generate_kwargs={"max_new_tokens": 10, "do_sample": True, "bad_words_ids": banned},
+        **common,
+    )
+    policy = TransformersWrapper(model, generate=False, return_log_probs=True, **common)
+    prompts = History.from_chats([[{"role": "user", "content": c}] for c in "abcdefgh"])
+    torch.manual_seed(3)
+    with torch.no_grad():
+        out = generator(
+            lazy_stack([TensorDict(history=ChatHistory(prompt=h)) for h in prompts.unbind(0)])
+        )
+    responses = out.get(("tokens", "response"), as_list=True)
+    assert len({r.numel() for r in responses}) > 1
+    assert any(int(r[-1]) == eos for r in responses)
+
+    data = lazy_stack(
+        [TensorDict(history=ChatHistory(full=h)) for h in out["history"].full.unbind(0)]
+    )
+    data.set("advantage", torch.tensor([1.0, -1.0] * 4).reshape(8, 1, 1))
+    with torch.no_grad():
+        forward = policy(data.copy())
+    for key in ("log_probs", "tokens", "masks"):
+        data.set(key, forward.get(key))
+    loss_fn = GSPOLoss(policy, masking_strategy="rlhf")
+    seq, mask = sequence_log_ratios(loss_fn, data)
+    expected = [r.numel() - int(int(r[-1]) == eos) for r in responses]
+    assert mask.sum(-1).tolist() == expected
+    assert torch.equal(seq, torch.zeros_like(seq))  # on-policy
+
+    out = loss_fn(data)
+    assert out.loss_objective.isfinite()
+    out.loss_objective.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and sum(g.abs().sum() for g in grads) > 0
+    before = [p.detach().clone() for p in model.parameters()]
+    torch.optim.Adam(model.parameters(), lr=1e-2).step()
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+    # the next minibatch is off-policy
+    after = loss_fn(data)
+    assert after.sequence_log_ratio_max_abs > 0
