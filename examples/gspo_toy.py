@@ -23,11 +23,12 @@ response token's log-prob, which would bias every sequence ratio). As in the pap
 the rollout batch is then split into 4 minibatches, one optimizer step each, so the
 later minibatches are off-policy and clipping matters.
 
-The rollout loop is written out rather than run through ``LLMEnv``/``LLMCollector``:
-the task is single-turn and scored on tokens, so a chat-history environment would add
-a template and a text round trip without adding anything the loss sees. For the same
-reason the update loop is hand-written rather than ``GRPOTrainer``: the example swaps
-only the loss, ``GRPOLoss`` for ``GSPOLoss``, exactly as a user's script would.
+The rollout and update loops are written out (about 40 lines) instead of running
+through ``LLMEnv`` / ``LLMCollector`` and ``GRPOTrainer``. The task is single-turn
+and scored on tokens, so an environment would only wrap the same generate-and-score
+step; and ``GRPOTrainer`` needs a collector and drives the updates itself, which would
+hide the one line this example is about: the loss, ``GRPOLoss`` swapped for
+``GSPOLoss``. Running this example inside those TorchRL components is not done here.
 
 Usage::
 
@@ -35,8 +36,8 @@ Usage::
     python examples/gspo_toy.py --loss gspo --steps 50 --out outputs/run
 
 Outputs in ``--out``: ``metrics_<loss>.jsonl`` (one line per step: reward, loss,
-clip_fraction, ESS, mean sequence log-ratio, response length, ...) and
-``gspo_vs_grpo.png``.
+clip_fraction, ESS, mean sequence log-ratio, response length, ...), ``summary.json``
+and a plot, ``gspo_vs_grpo.png`` (``gspo.png`` etc. for a single loss).
 
 GRPO's ``clip_fraction`` is an average over all ``B * T`` positions, padding
 included; the example rescales it to the fraction of valid response tokens
@@ -221,14 +222,14 @@ def train(loss_name: str, args: argparse.Namespace, out_dir: Path) -> list[dict]
                 stats["clip_fraction"].append(valid_token_clip_fraction(out, minibatch, loss_name))
                 stats["ESS"].append(float(out.ESS))
                 seq = getattr(out, "sequence_log_ratio", None)
-                stats["sequence_log_ratio"].append(float("nan") if seq is None else float(seq))
+                stats["sequence_log_ratio"].append(None if seq is None else float(seq))
             lengths = [r.numel() for r in data.get(("tokens", "response"), as_list=True)]
             record = {
                 "step": step,
                 "loss_name": loss_name,
                 "reward": rewards.mean().item(),
                 "response_length": sum(lengths) / len(lengths),
-                **{k: sum(v) / len(v) for k, v in stats.items()},
+                **{k: _mean(v) for k, v in stats.items()},
                 # the off-policy minibatches only (the first one has s_i = 1)
                 "clip_fraction_off_policy": sum(stats["clip_fraction"][1:])
                 / max(len(stats["clip_fraction"]) - 1, 1),
@@ -238,6 +239,12 @@ def train(loss_name: str, args: argparse.Namespace, out_dir: Path) -> list[dict]
             file.write(json.dumps(record) + "\n")
             bar.set_postfix(reward=f"{record['reward']:.3f}", clip=f"{record['clip_fraction']:.4f}")
     return records
+
+
+def _mean(values: list[float | None]) -> float | None:
+    """Mean of the values, ``None`` (JSON null) when there are none (GRPO's log-ratio)."""
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
 
 
 def window_mean(records: list[dict], key: str, first: bool) -> float:
@@ -258,13 +265,21 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
         steps = [r["step"] for r in records]
         for ax, key in zip(axes, keys, strict=True):
             ax.plot(steps, [r[key] for r in records], label=name, linewidth=1.2)
+    titles = {
+        "reward": "mean reward",
+        "clip_fraction": "clip fraction (valid tokens)",
+        "ESS": "ESS (GSPO: sequences, GRPO: tokens)",
+        "response_length": "response length (tokens)",
+    }
     for ax, key in zip(axes, keys, strict=True):
-        ax.set_title(key.replace("_", " "))
+        ax.set_title(titles[key])
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     axes[1].set_yscale("log")
     axes[0].legend()
-    fig.suptitle("GSPO (clip 3e-4/4e-4) vs GRPO (clip 0.2/0.27), tiny Qwen2, 4 minibatches/rollout")
+    labels = {"gspo": "GSPO (clip 3e-4/4e-4)", "grpo": "GRPO (clip 0.2/0.27)"}
+    labels["gspo-token"] = "GSPO-token (clip 3e-4/4e-4)"
+    fig.suptitle(" vs ".join(labels[n] for n in runs) + ", tiny Qwen2")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -311,11 +326,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    torch.set_num_threads(max(torch.get_num_threads(), 1))
     args.out.mkdir(parents=True, exist_ok=True)
     names = ("gspo", "grpo") if args.loss == "both" else (args.loss,)
     runs = {name: train(name, args, args.out) for name in names}
-    plot(runs, args.out / "gspo_vs_grpo.png")
+    plot(runs, args.out / ("_vs_".join(n.replace("-", "_") for n in names) + ".png"))
     summary = summarize(runs)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))

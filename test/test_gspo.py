@@ -272,8 +272,12 @@ def test_varying_advantage_raises_and_names_gspo_token(kind):
     advantage = batch.get("advantage", as_padded_tensor=True, padding_side="left").clone()
     # row 0: response tokens are the last 5 positions; give one a different value
     advantage[0, -2] += 1.0
-    batch = dense_batch(rows)
-    batch.set("advantage", advantage)
+    if kind == "lazy":
+        for i, td in enumerate(batch.tensordicts):
+            n = td["advantage"].shape[0]
+            td.set("advantage", advantage[i, -n:])
+    else:
+        batch.set("advantage", advantage)
     with pytest.raises(ValueError, match=r"varies across the valid tokens.*\[0\].*GSPOTokenLoss"):
         GSPOLoss(actor)(batch)
 
@@ -294,7 +298,6 @@ def test_advantage_of_wrong_shape_raises(shape):
     actor = BigramActor()
     batch = dense_batch(make_rows(actor=actor))
     batch.set("advantage", torch.ones(shape, dtype=torch.float64), inplace=False)
-    batch = batch.to_tensordict() if hasattr(batch, "to_tensordict") else batch
     with pytest.raises(
         ValueError, match=r"advantage at 'advantage' has shape .*reshape\(-1, 1, 1\)"
     ):
@@ -427,13 +430,11 @@ def test_set_keys_with_nested_keys():
 def test_other_aggregations(aggregation):
     actor = BigramActor()
     rows = make_rows(actor=actor, noise=0.01, seed=14)
-    ctx = pytest.warns(UserWarning, match="weights each sequence by its length")
-    if aggregation == "none":
-        ctx = warnings.catch_warnings()
-    with ctx:
-        if aggregation == "none":
-            warnings.simplefilter("error")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         loss_fn = GSPOLoss(actor, aggregation=aggregation, clip_epsilon=(0.5, 0.5))
+    length_warnings = [w for w in caught if "weights each sequence by its length" in str(w.message)]
+    assert len(length_warnings) == (aggregation == "token_mean")
     out = loss_fn(lazy_batch(rows))
     current, old, mask, advantage = oracle_inputs(actor, rows)
     seq = oracle_sequence_log_ratio(current, old, mask)
@@ -444,6 +445,32 @@ def test_other_aggregations(aggregation):
         assert_close(out.loss_objective, per_token.sum() / mask.sum(), torch.float64)
     else:
         assert_close(out.loss_objective.squeeze(-1), per_token, torch.float64)
+
+
+def test_aggregation_none_means_the_default():
+    """GRPOLoss accepts aggregation=None for its default; here that is prompt_mean."""
+    actor = BigramActor()
+    batch = lazy_batch(make_rows(actor=actor, noise=0.01, seed=14))
+    out = GSPOLoss(actor, aggregation=None)(batch)
+    ref = GSPOLoss(actor)(batch)
+    assert out.loss_objective.shape == torch.Size([])
+    assert torch.equal(out.loss_objective, ref.loss_objective)
+
+
+@pytest.mark.parametrize("eps", [0.2, (3e-4, 0.28)])
+def test_grpo_scale_clip_range_warns(eps):
+    with pytest.warns(UserWarning, match="practically never clips"):
+        GSPOLoss(BigramActor(), clip_epsilon=eps)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GSPOLoss(BigramActor())
+
+
+def test_batch_with_two_batch_dimensions_raises():
+    actor = BigramActor()
+    batch = dense_batch(make_rows([(2, 3)] * 4, actor=actor)).reshape(2, 2)
+    with pytest.raises(ValueError, match=r"one batch dimension, \[B, T\].*reshape\(-1\)"):
+        GSPOLoss(actor)(batch)
 
 
 def test_unknown_aggregation_raises():

@@ -193,6 +193,20 @@ def test_per_token_advantages_rejected_by_gspo_loss():
     assert GSPOTokenLoss(actor)(batch).loss_objective.isfinite()
 
 
+@pytest.mark.parametrize("shift", [20.0, -20.0])
+def test_identical_to_gspo_beyond_max_log_ratio(shift):
+    """Sequences clamped at max_log_ratio get no gradient in either loss."""
+    actor = BigramActor()
+    rows = make_rows([(2, 3), (2, 4), (3, 2)], actor=actor, nan_prompt=False, seed=11)
+    rows[0]["old"][2:] -= shift  # log s_0 = shift: clamped when positive
+    batch = lazy_batch(rows)
+    token = GSPOTokenLoss(actor)(batch)
+    seq = GSPOLoss(actor)(batch)
+    assert token.sequence_log_ratio_max_abs > 10
+    close(token.loss_objective, seq.loss_objective)
+    close(grads(token.loss_objective, actor), grads(seq.loss_objective, actor))
+
+
 def test_extreme_log_ratios_are_finite():
     actor = BigramActor()
     rows = make_rows([(2, 3), (2, 4)], actor=actor, nan_prompt=False)

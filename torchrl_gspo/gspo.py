@@ -23,6 +23,8 @@ _ADVANTAGE_HAS_VALUE = "_gspo_advantage_has_value"
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _AGGREGATIONS = ("prompt_mean", "token_mean", "none")
 _RESPONSE_KEY = ("tokens", "response")
+# Clip ranges above this are GRPO-scale: sequence-level clipping barely ever binds.
+_LARGE_EPSILON = 0.01
 _RESPONSE_MASK_CHECKS = ("raise", "warn", "ignore")
 
 
@@ -145,14 +147,15 @@ class GSPOLoss(GRPOLoss):
     Keyword Args:
         clip_epsilon (float | tuple[float, float], optional): clip range of the
             sequence ratio, symmetric or ``(eps_low, eps_high)``. Defaults to the
-            paper's ``(3e-4, 4e-4)`` (§5.1); GRPO's 0.2 would make sequence-level
-            clipping a no-op.
+            paper's ``(3e-4, 4e-4)`` (§5.1). A range above 0.01 (GRPO's 0.2, say)
+            warns: it would make sequence-level clipping practically a no-op.
         aggregation (Literal["prompt_mean", "token_mean", "none"], optional): loss
             aggregation. ``"prompt_mean"`` (mean over the tokens of each sequence,
             then over sequences) is the paper's objective and returns a 0-dim
             ``loss_objective``. ``"token_mean"`` (global token mean) weights each
             sequence by its length, which is not GSPO's objective: it works but
-            warns. ``"none"`` returns per-token losses. Defaults to
+            warns. ``"none"`` returns per-token losses. ``None`` means the
+            default, as in :class:`~torchrl.objectives.llm.GRPOLoss`. Defaults to
             ``"prompt_mean"``.
         max_log_ratio (float | None, optional): upper clamp applied to the
             sequence log-ratio before exponentiation, ``None`` to disable.
@@ -215,7 +218,7 @@ class GSPOLoss(GRPOLoss):
         actor_network: LLMWrapperBase | None = None,
         *,
         clip_epsilon: float | tuple[float, float] = (3e-4, 4e-4),
-        aggregation: Literal["prompt_mean", "token_mean", "none"] = "prompt_mean",
+        aggregation: Literal["prompt_mean", "token_mean", "none"] | None = "prompt_mean",
         max_log_ratio: float | None = 10.0,
         response_mask_check: Literal["raise", "warn", "ignore"] = "raise",
         **kwargs,
@@ -225,6 +228,7 @@ class GSPOLoss(GRPOLoss):
                 f"response_mask_check must be one of {_RESPONSE_MASK_CHECKS}, "
                 f"got {response_mask_check!r}."
             )
+        aggregation = "prompt_mean" if aggregation is None else aggregation
         if aggregation not in _AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {_AGGREGATIONS}, got {aggregation!r}.")
         if aggregation == "token_mean":
@@ -242,6 +246,15 @@ class GSPOLoss(GRPOLoss):
             aggregation=aggregation,
             **kwargs,
         )
+        if max(self.clip_epsilon_low.item(), self.clip_epsilon_high.item()) > _LARGE_EPSILON:
+            warnings.warn(
+                f"{type(self).__name__} got clip_epsilon={clip_epsilon}: a token-level "
+                "(GRPO/PPO-scale) range. Sequence ratios are geometric means and stay "
+                "close to 1, so such a range practically never clips them; the paper "
+                "uses (3e-4, 4e-4), the default.",
+                UserWarning,
+                stacklevel=2,
+            )
         # GRPOLoss stores the clip range in float32, where 3e-4 is off by ~1e-11:
         # keep the user's values exactly (they stay schedulable buffers).
         if not isinstance(clip_epsilon, (tuple, list)):
@@ -340,6 +353,12 @@ class GSPOLoss(GRPOLoss):
             padding_side="left",
             padding_value=float("nan"),
         )
+        if action.ndim != 2:
+            raise ValueError(
+                f"{type(self).__name__}: the tokens at {keys.action!r} have shape "
+                f"{tuple(action.shape)}; the loss expects one batch dimension, [B, T]. "
+                "Flatten the batch first, e.g. tensordict.reshape(-1)."
+            )
         batch_shape, seq_len = action.shape[:-1], action.shape[-1]
         if (
             advantage.ndim != action.ndim + 1
@@ -369,30 +388,31 @@ class GSPOLoss(GRPOLoss):
 
     def _check_advantage(self, tensordict: TensorDictBase, mask: torch.Tensor) -> None:
         advantage = tensordict.get(self.tensor_keys.advantage).squeeze(-1)
-        missing = mask & ~tensordict.get(_ADVANTAGE_HAS_VALUE)
-        if missing.any():
-            rows = missing.any(-1).nonzero().squeeze(-1).tolist()
-            raise ValueError(
-                f"{type(self).__name__}: the advantage at {self.tensor_keys.advantage!r} "
-                f"is NaN or padding at {int(missing.sum())} valid response token(s), in "
-                f"batch row(s) {rows}. Per-token advantages must cover every token of "
-                "the loss mask; ragged rows are read left-padded, aligned with the end "
-                "of the tokens."
-            )
-        if not self._sequence_advantage or advantage.shape[-1] == 1:
+        missing = (mask & ~tensordict.get(_ADVANTAGE_HAS_VALUE)).any(-1)
+        varying = torch.zeros_like(missing)
+        if self._sequence_advantage and advantage.shape[-1] > 1:
+            inf = torch.finfo(advantage.dtype).max
+            high = torch.where(mask, advantage, -inf).amax(-1)
+            low = torch.where(mask, advantage, inf).amin(-1)
+            varying = mask.any(-1) & (high != low)
+        # One data-dependent branch (a graph break under torch.compile) for both checks.
+        if not (missing | varying).any():
             return
-        inf = torch.finfo(advantage.dtype).max
-        high = torch.where(mask, advantage, -inf).amax(-1)
-        low = torch.where(mask, advantage, inf).amin(-1)
-        varying = mask.any(-1) & (high != low)
-        if varying.any():
-            rows = varying.nonzero().squeeze(-1).tolist()
+        key = self.tensor_keys.advantage
+        if missing.any():
             raise ValueError(
-                f"{type(self).__name__}: the advantage at {self.tensor_keys.advantage!r} "
-                f"varies across the valid tokens of batch row(s) {rows}. GSPO needs one "
-                "advantage per sequence; for per-token advantages use GSPOTokenLoss "
-                "(GSPO-token, paper section 4.3)."
+                f"{type(self).__name__}: the advantage at {key!r} is NaN or padding at "
+                f"{int((mask & ~tensordict.get(_ADVANTAGE_HAS_VALUE)).sum())} valid response "
+                f"token(s), in batch row(s) {missing.nonzero().squeeze(-1).tolist()}. "
+                "Per-token advantages must cover every token of the loss mask; ragged rows "
+                "are read left-padded, aligned with the end of the tokens."
             )
+        raise ValueError(
+            f"{type(self).__name__}: the advantage at {key!r} varies across the valid "
+            f"tokens of batch row(s) {varying.nonzero().squeeze(-1).tolist()}. GSPO needs "
+            "one advantage per sequence; for per-token advantages use GSPOTokenLoss "
+            "(GSPO-token, paper section 4.3)."
+        )
 
     def _check_response_mask(self, tensordict: TensorDictBase, mask: torch.Tensor) -> None:
         if (
@@ -437,7 +457,8 @@ class GSPOLoss(GRPOLoss):
             if not self._warned_half_precision and not torch.compiler.is_compiling():
                 warnings.warn(
                     f"{type(self).__name__} received {dtype} log-probabilities. Their "
-                    "rounding error is of the order of GSPO's clip range (3e-4); the "
+                    "rounding error is of the order of GSPO's clip range "
+                    f"({self.clip_epsilon_low.item():g}, {self.clip_epsilon_high.item():g}); the "
                     "sequence reduction accumulates in float32, but prefer float32 "
                     "log-probabilities (e.g. compute the log-softmax in float32).",
                     UserWarning,
@@ -600,5 +621,10 @@ class GSPOTokenLoss(GSPOLoss):
         log_weight, dist, kl_approx, mask = super()._log_weight(tensordict, adv_shape)
         # GRPOLoss leaves the masked current log-probs here for its KL terms.
         token = tensordict.get("_cur_log_prob").to(log_weight.dtype).unsqueeze(-1)
-        token_grad = torch.where(mask.unsqueeze(-1), token - token.detach(), 0.0)
+        # No gradient on masked tokens, nor on sequences clamped at max_log_ratio
+        # (where GSPOLoss has none either).
+        keep = mask.unsqueeze(-1)
+        if self.max_log_ratio is not None:
+            keep = keep & (log_weight.detach() < self.max_log_ratio)
+        token_grad = torch.where(keep, token - token.detach(), 0.0)
         return log_weight.detach() + token_grad, dist, kl_approx, mask
