@@ -513,6 +513,17 @@ def test_compile_matches_eager():
     )
 
 
+def test_compiled_loss_still_rejects_bad_advantages():
+    actor = BigramActor()
+    rows = make_rows(actor=actor, noise=1e-3, seed=16)
+    batch = dense_batch(rows)
+    advantage = batch["advantage"].clone()
+    advantage[1] = float("nan")
+    batch.set("advantage", advantage)
+    with pytest.raises(RuntimeError, match="NaN, padding or varying"):
+        torch.compile(GSPOLoss(actor, entropy_bonus=False))(batch)
+
+
 # ---------------------------------------------------------------------------------
 # Bad and awkward input
 # ---------------------------------------------------------------------------------

@@ -395,7 +395,15 @@ class GSPOLoss(GRPOLoss):
             high = torch.where(mask, advantage, -inf).amax(-1)
             low = torch.where(mask, advantage, inf).amin(-1)
             varying = mask.any(-1) & (high != low)
-        # One data-dependent branch (a graph break under torch.compile) for both checks.
+        if torch.compiler.is_compiling():
+            # No data-dependent branch (a graph break) under torch.compile: check in-graph;
+            # the eager path below gives the detailed message.
+            torch._assert_async(
+                ~(missing | varying).any(),
+                f"{type(self).__name__}: an advantage is NaN, padding or varying within a "
+                "sequence; run the loss eagerly for the details.",
+            )
+            return
         if not (missing | varying).any():
             return
         key = self.tensor_keys.advantage
