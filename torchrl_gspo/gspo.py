@@ -327,6 +327,12 @@ class GSPOLoss(GRPOLoss):
         action = tensordict.get(
             keys.action, as_padded_tensor=True, padding_side="left", padding_value=-100
         )
+        if action.ndim != 2:
+            raise ValueError(
+                f"{type(self).__name__}: the tokens at {keys.action!r} have shape "
+                f"{tuple(action.shape)}; the loss expects one batch dimension, [B, T]. "
+                "Flatten the batch first, e.g. tensordict.reshape(-1)."
+            )
         old_log_prob = tensordict.get(
             keys.sample_log_prob,
             as_padded_tensor=True,
@@ -353,12 +359,6 @@ class GSPOLoss(GRPOLoss):
             padding_side="left",
             padding_value=float("nan"),
         )
-        if action.ndim != 2:
-            raise ValueError(
-                f"{type(self).__name__}: the tokens at {keys.action!r} have shape "
-                f"{tuple(action.shape)}; the loss expects one batch dimension, [B, T]. "
-                "Flatten the batch first, e.g. tensordict.reshape(-1)."
-            )
         batch_shape, seq_len = action.shape[:-1], action.shape[-1]
         if (
             advantage.ndim != action.ndim + 1
@@ -388,7 +388,8 @@ class GSPOLoss(GRPOLoss):
 
     def _check_advantage(self, tensordict: TensorDictBase, mask: torch.Tensor) -> None:
         advantage = tensordict.get(self.tensor_keys.advantage).squeeze(-1)
-        missing = (mask & ~tensordict.get(_ADVANTAGE_HAS_VALUE)).any(-1)
+        uncovered = mask & ~tensordict.get(_ADVANTAGE_HAS_VALUE)
+        missing = uncovered.any(-1)
         varying = torch.zeros_like(missing)
         if self._sequence_advantage and advantage.shape[-1] > 1:
             inf = torch.finfo(advantage.dtype).max
@@ -410,7 +411,7 @@ class GSPOLoss(GRPOLoss):
         if missing.any():
             raise ValueError(
                 f"{type(self).__name__}: the advantage at {key!r} is NaN or padding at "
-                f"{int((mask & ~tensordict.get(_ADVANTAGE_HAS_VALUE)).sum())} valid response "
+                f"{int(uncovered.sum())} valid response "
                 f"token(s), in batch row(s) {missing.nonzero().squeeze(-1).tolist()}. "
                 "Per-token advantages must cover every token of the loss mask; ragged rows "
                 "are read left-padded, aligned with the end of the tokens."
