@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import io
 import json
 import sys
 import warnings
@@ -17,6 +18,7 @@ import pytest
 import torch
 from tensordict import TensorDict, lazy_stack
 from torchrl.modules.llm import TransformersWrapper
+from tqdm import tqdm
 
 from torchrl_gspo import GSPOLoss
 
@@ -29,18 +31,23 @@ spec.loader.exec_module(gspo_toy)
 
 @pytest.fixture(scope="module")
 def setup():
+    """Ragged responses sampled in tokens mode, with the example's tokenizer and model."""
     tokenizer = gspo_toy.build_tokenizer()
-    model = gspo_toy.build_model(len(tokenizer), seed=0)
+    model = gspo_toy.build_model(tokenizer, seed=0)
     generator = TransformersWrapper(
         model,
         tokenizer=tokenizer,
         input_mode="tokens",
         generate=True,
         pad_output=False,
-        generate_kwargs={"max_new_tokens": 8, "do_sample": True, "bad_words_ids": [[0]]},
+        generate_kwargs={
+            "max_new_tokens": 8,
+            "do_sample": True,
+            "bad_words_ids": gspo_toy.banned_token_ids(tokenizer),
+        },
     )
     torch.manual_seed(1)
-    prompts = [torch.tensor([4 + i % 4, 3]) for i in range(8)]
+    prompts = [torch.tensor(tokenizer.encode(f"{c}\n")) for c in "abcd" * 2]
     with torch.no_grad():
         out = generator(lazy_stack([TensorDict(tokens=TensorDict(prompt=p)) for p in prompts]))
     rows = []
@@ -171,6 +178,134 @@ def test_pad_output_training_wrapper_is_detected(setup):
     assert GSPOLoss(bad, response_mask_check="ignore")(data).loss_objective.isfinite()
 
 
+def pipeline_args(**overrides):
+    args = gspo_toy.parse_args(["--prompts", "2", "--group-size", "4", "--no-progress"])
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args
+
+
+def test_collected_batch_rewards_advantages_and_mask():
+    """ChatEnv -> LLMCollector -> ReplayBuffer(MCAdvantage), as the example builds them."""
+    args = pipeline_args(steps=1)
+    pipeline = gspo_toy.build_pipeline("gspo", args)
+    tokenizer = gspo_toy.build_tokenizer()
+    next(iter(pipeline.collector))  # one batch, written into the buffer
+    pipeline.collector.shutdown()
+    data = pipeline.buffer[:]
+    assert data.batch_size == (args.prompts * args.group_size,)
+
+    queries = list(data["query"])
+    prompts = data.get(("tokens", "prompt"), as_list=True)
+    responses = data.get(("tokens", "response"), as_list=True)
+    fulls = data.get(("tokens", "full"), as_list=True)
+    rewards = torch.stack([r.reshape(()) for r in data.get(("next", "reward"), as_list=True)])
+    advantages = torch.stack([a.reshape(()) for a in data.get("advantage", as_list=True)])
+    for query, prompt, response, full in zip(queries, prompts, responses, fulls, strict=True):
+        # the prompt is TorchRL's ChatML rendering of the query; full = prompt + sampled tokens
+        chatml = f"<|im_start|>user\n{query}<|im_end|>\n<|im_start|>assistant\n"
+        assert tokenizer.decode(prompt) == chatml
+        assert torch.equal(full, torch.cat([prompt, response]))
+    # the reward, written out: the share of the answer's characters equal to the query
+    answers = [tokenizer.decode(r).removesuffix("<|im_end|>") for r in responses]
+    expected = [a.count(q) / len(a) if a else 0.0 for q, a in zip(queries, answers, strict=True)]
+    torch.testing.assert_close(rewards, torch.tensor(expected))
+    # groups: args.group_size consecutive rows share a query; the advantage is the reward
+    # standardised within its group (unbiased std), 0 where the group's rewards are equal
+    spreads = []
+    for group in range(args.prompts):
+        rows = slice(group * args.group_size, (group + 1) * args.group_size)
+        assert len(set(queries[rows])) == 1
+        r = rewards[rows].double()
+        mean = r.sum() / r.numel()
+        std = ((r - mean) ** 2).sum().div(r.numel() - 1).sqrt()
+        expected = (r - mean) / std if std > 0 else torch.zeros_like(r)
+        torch.testing.assert_close(advantages[rows].double(), expected, rtol=1e-5, atol=1e-6)
+        spreads.append(float(std))
+    assert max(spreads) > 0  # not only all-equal groups
+
+    # the training wrapper's "sft" mask is exactly the sampled response; on-policy ratio 0
+    lengths = [r.numel() for r in responses]
+    assert len(set(lengths)) > 1
+    seq, mask = sequence_log_ratios(pipeline.loss_fn, data)
+    assert mask.sum(-1).tolist() == lengths
+    assert torch.equal(seq, torch.zeros_like(seq))
+
+
+def test_grpo_trainer_runs_gspo_loss_with_off_policy_minibatches():
+    """GRPOTrainer(loss_module=GSPOLoss(...)): 4 minibatches per batch, later ones off-policy.
+
+    Also checks the example's per-step metrics against the batches and loss outputs
+    seen here.
+    """
+    args = pipeline_args(steps=2)
+    assert args.minibatches == 4
+    pipeline = gspo_toy.build_pipeline("gspo", args)
+    outputs, batches, buffer_sizes = [], [], []
+    pipeline.loss_fn.register_forward_hook(
+        lambda module, inputs, out: outputs.append((inputs[0].batch_size, out.detach()))
+    )
+    postproc = pipeline.collector.postproc
+    pipeline.collector.postproc = lambda data: batches.append(data) or postproc(data)
+    # runs after GRPOTrainer's own post_steps op, which empties the buffer
+    pipeline.trainer.register_op("post_steps", lambda: buffer_sizes.append(len(pipeline.buffer)))
+    metrics = gspo_toy.StepMetrics("gspo", io.StringIO(), tqdm(disable=True))
+    pipeline.loss_fn.register_forward_hook(metrics.on_loss)
+    pipeline.trainer.register_op("post_steps_log", metrics.on_step_end)
+    before = [p.detach().clone() for p in pipeline.model.parameters()]
+    pipeline.trainer.train()
+
+    assert len(outputs) == args.steps * args.minibatches
+    assert all(size == (2,) for size, _ in outputs)  # 8 rows per batch, 4 minibatches
+    assert all(out.loss_objective.isfinite() for _, out in outputs)
+    first = [out for i, (_, out) in enumerate(outputs) if i % args.minibatches == 0]
+    later = [out for i, (_, out) in enumerate(outputs) if i % args.minibatches != 0]
+    # the first minibatch of each batch is on-policy: the old log-probs were computed
+    # with the same weights, on a differently padded batch (float rounding only)
+    assert all(out.sequence_log_ratio_max_abs < 1e-5 for out in first)
+    assert all(out.sequence_log_ratio_max_abs > 1e-3 for out in later)
+    assert any(out.clip_fraction > 0 for out in later)
+    assert buffer_sizes == [0] * args.steps  # emptied after each batch
+    after = list(pipeline.model.parameters())
+    assert any(not torch.equal(b, a) for b, a in zip(before, after, strict=True))
+
+    # the example's records: one per batch, from that batch's rewards and its 4 outputs
+    assert len(batches) == len(metrics.records) == args.steps
+    for step, (batch, record) in enumerate(zip(batches, metrics.records, strict=True)):
+        rewards = torch.cat([r.reshape(-1) for r in batch.get(("next", "reward"), as_list=True)])
+        assert record["reward"] == pytest.approx(rewards.mean().item())
+        lengths = [r.numel() for r in batch.get(("tokens", "response"), as_list=True)]
+        assert record["response_length"] == pytest.approx(sum(lengths) / len(lengths))
+        outs = [out for _, out in outputs[step * 4 : (step + 1) * 4]]
+        clip = [float(out.clip_fraction) for out in outs]
+        assert record["clip_fraction"] == pytest.approx(sum(clip) / 4)
+        assert record["clip_fraction_off_policy"] == pytest.approx(sum(clip[1:]) / 3)
+        assert record["ESS"] == pytest.approx(sum(float(out.ESS) for out in outs) / 4)
+
+
+def test_grpo_clip_fraction_rescaled_to_valid_tokens():
+    """The example's GRPO clip fraction equals a direct count over the response tokens."""
+    args = pipeline_args(steps=1)
+    pipeline = gspo_toy.build_pipeline("grpo", args)
+    next(iter(pipeline.collector))
+    pipeline.collector.shutdown()
+    data = pipeline.buffer[:]
+    with torch.no_grad():
+        old = reference_response_log_probs(pipeline.model, data)
+    optimizer = torch.optim.Adam(pipeline.model.parameters(), lr=1e-2)
+    pipeline.loss_fn(data).loss_objective.backward()
+    optimizer.step()
+    with torch.no_grad():
+        new = reference_response_log_probs(pipeline.model, data)
+        out = pipeline.loss_fn(data)
+    ratios = torch.cat([(n - o).exp() for n, o in zip(new, old, strict=True)])
+    expected = ((ratios < 0.8) | (ratios > 1.27)).double().mean().item()
+    assert 0 < expected < 1
+    got = gspo_toy.valid_token_clip_fraction(out, data, "grpo")
+    assert got == pytest.approx(expected)
+    assert float(out.clip_fraction) < expected  # GRPOLoss's own value counts padding too
+
+
 def test_example_runs_and_writes_its_files(tmp_path):
     summary = gspo_toy.main(["--steps", "2", "--out", str(tmp_path), "--no-progress"])
     for name in ("gspo", "grpo"):
@@ -192,44 +327,8 @@ def test_example_runs_and_writes_its_files(tmp_path):
         ["--steps", "1", "--loss", "gspo-token", "--out", str(tmp_path), "--no-progress"]
     )
     assert token["gspo-token"]["steps"] == 1
-
-
-def _chat_setup():
-    """A character tokenizer with ChatML special tokens and a tiny Qwen2, built in code."""
-    import string
-
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
-    specials = ["<pad>", "<|im_start|>", "<|im_end|>"]
-    vocab = {t: i for i, t in enumerate([*specials, *string.ascii_lowercase, "\n", " "])}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    backend.add_special_tokens(specials)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token="<pad>",
-        eos_token="<|im_end|>",
-        additional_special_tokens=["<|im_start|>"],
-    )
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=len(vocab),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        pad_token_id=0,
-        eos_token_id=2,
-    )
-    model = Qwen2ForCausalLM(config).eval()
-    # favour the end-of-turn token so that responses end at different lengths
-    eos_bias = torch.zeros(len(vocab))
-    eos_bias[vocab["<|im_end|>"]] = 2.0
-    model.lm_head.register_forward_hook(lambda module, args, output: output + eos_bias)
-    return tokenizer, model, vocab
+    with pytest.raises(SystemExit):  # 4 x 8 responses do not split into 3 minibatches
+        gspo_toy.parse_args(["--minibatches", "3"])
 
 
 def test_history_mode_with_rlhf_masking():
@@ -237,17 +336,23 @@ def test_history_mode_with_rlhf_masking():
 
     What the rlhf mask covers: the assistant tokens between the template's generation
     markers, i.e. the sampled response *without* its final end-of-turn token (the
-    template writes ``<|im_end|>`` outside the markers). Whitespace is banned from
-    sampling because the history round trip strips it, which would change the tokens.
+    template writes ``<|im_end|>`` outside the markers). Sampling is restricted to the
+    example's answer letters and end-of-turn token: whitespace, for one, would not survive
+    the history round trip.
     """
     from torchrl.data.llm import History
     from torchrl.modules.llm.policies import ChatHistory
 
-    tokenizer, model, vocab = _chat_setup()
-    eos = vocab["<|im_end|>"]
+    tokenizer = gspo_toy.build_tokenizer()
+    model = gspo_toy.build_model(tokenizer, seed=0)
+    eos = tokenizer.eos_token_id
+    # favour the end-of-turn token so that responses end at different lengths
+    eos_bias = torch.zeros(len(tokenizer))
+    eos_bias[eos] = 2.0
+    model.lm_head.register_forward_hook(lambda module, args, output: output + eos_bias)
     common = {"tokenizer": tokenizer, "input_mode": "history", "pad_output": False}
-    common["chat_template_name"] = "chatml_format"
-    banned = [[vocab["<pad>"]], [vocab["<|im_start|>"]], [vocab[" "]], [vocab["\n"]]]
+    common["chat_template_name"] = gspo_toy.CHAT_TEMPLATE
+    banned = gspo_toy.banned_token_ids(tokenizer)
     generator = TransformersWrapper(
         model,
         generate=True,
