@@ -83,6 +83,7 @@ INVENTORIES: dict[str, tuple[str, str, list[tuple[str, str, str]]]] = {
                 "torchrl.collectors.llm.LLMCollector",
                 "torchrl.data.ReplayBuffer",
                 "torchrl.data.replay_buffers.LazyStackStorage",
+                "torchrl.envs.llm.ChatEnv",
                 "torchrl.modules.llm.LLMWrapperBase",
                 "torchrl.modules.llm.TransformersWrapper",
                 "torchrl.modules.llm.vLLMWrapper",
