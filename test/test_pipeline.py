@@ -82,10 +82,8 @@ def training_wrapper(model, tokenizer, pad_output=False):
 
 
 def with_old_log_probs(data, policy):
-    data = data.copy()
-    with torch.no_grad():
-        data.set("log_probs", policy(data.copy()).get("log_probs"))
-    return data
+    """A copy of ``data`` with the example's "old" log-probs (no-grad policy forward)."""
+    return gspo_toy.OldLogProbs(policy)(data.copy())
 
 
 def reference_response_log_probs(model, data):
