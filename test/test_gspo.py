@@ -24,7 +24,7 @@ from gspo_testing import (
 from tensordict import TensorDict
 from torchrl.objectives.llm import GRPOLoss
 
-from torchrl_gspo import GSPOLoss, GSPOLossOutput
+from torchrl_gspo import GSPOLoss, GSPOLossOutput, GSPOTokenLoss
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-6}
 PAPER_EPS = (3e-4, 4e-4)
@@ -37,11 +37,19 @@ def make_batch(kind: str, rows, advantage_per_token: bool = False):
 
 
 def oracle_inputs(actor: BigramActor, rows, mask_name: str = "response"):
-    """Current log-probs computed independently from the actor's parameters."""
+    """Current log-probs computed independently from the actor's parameters.
+
+    With the all-token mask ("attention", masking_strategy="generic"), the first token
+    of each row is not scored: nothing precedes it, so it has no log-prob to compare.
+    """
     tokens = padded(rows, "tokens", 0)
     current = actor.token_log_probs(tokens)
     old = padded(rows, "old", 0.0)
     mask = padded(rows, mask_name, False) & old.isfinite()
+    if mask_name == "attention":
+        width = tokens.shape[-1]
+        for i, row in enumerate(rows):  # left-padded: row i starts at width - len(row)
+            mask[i, width - row["tokens"].shape[0]] = False
     advantage = torch.stack([r["advantage"].reshape(()) for r in rows])
     return current, old, mask, advantage
 
@@ -309,7 +317,7 @@ def test_too_short_advantage_rows_raise():
     actor = BigramActor()
     batch = dense_batch(make_rows(actor=actor))
     batch.set("advantage", torch.ones(6, 2, 1, dtype=torch.float64), inplace=False)
-    with pytest.raises(ValueError, match=r"NaN or padding at \d+ valid response token"):
+    with pytest.raises(ValueError, match=r"NaN, infinite or padding at \d+ valid token"):
         GSPOLoss(actor)(batch)
 
 
@@ -320,7 +328,7 @@ def test_nan_advantage_on_valid_tokens_raises():
     advantage = batch["advantage"].clone()
     advantage[1] = float("nan")
     batch.set("advantage", advantage)
-    with pytest.raises(ValueError, match=r"NaN or padding at 1 valid response token.*\[1\]"):
+    with pytest.raises(ValueError, match=r"NaN, infinite or padding at 1 valid token.*\[1\]"):
         GSPOLoss(actor)(batch)
 
 
@@ -513,14 +521,36 @@ def test_compile_matches_eager():
     )
 
 
-def test_compiled_loss_still_rejects_bad_advantages():
+def test_compile_breaks_only_where_grpo_does():
+    """No graph break of our own: the diagnostics travel in-graph with the call."""
+    actor = BigramActor()
+    batch = dense_batch(make_rows(actor=actor, noise=1e-3, seed=16))
+
+    def break_sites(loss_fn):
+        explained = torch._dynamo.explain(loss_fn)(batch)
+        return {(f.filename, f.lineno) for r in explained.break_reasons for f in r.user_stack[-1:]}
+
+    grpo = break_sites(GRPOLoss(actor, entropy_bonus=False, aggregation="prompt_mean"))
+    assert len(grpo) == 1
+    for loss_cls in (GSPOLoss, GSPOTokenLoss):
+        assert break_sites(loss_cls(actor, entropy_bonus=False)) == grpo
+
+
+@pytest.mark.parametrize("bad", ["advantage", "old_log_prob"])
+def test_compiled_loss_still_rejects_bad_input(bad):
+    """In-graph checks: a NaN advantage, or a NaN old log-prob inside a response."""
     actor = BigramActor()
     rows = make_rows(actor=actor, noise=1e-3, seed=16)
     batch = dense_batch(rows)
-    advantage = batch["advantage"].clone()
-    advantage[1] = float("nan")
-    batch.set("advantage", advantage)
-    with pytest.raises(RuntimeError, match="NaN, padding or varying"):
+    if bad == "advantage":
+        advantage = batch["advantage"].clone()
+        advantage[1] = float("nan")
+        batch.set("advantage", advantage)
+    else:
+        old = batch["log_probs", "full"].clone()
+        old[0, -1] = float("nan")  # row 0's last token is a response token
+        batch.set(("log_probs", "full"), old)
+    with pytest.raises(RuntimeError, match="invalid input"):
         torch.compile(GSPOLoss(actor, entropy_bonus=False))(batch)
 
 
@@ -528,26 +558,31 @@ def test_compiled_loss_still_rejects_bad_advantages():
 # Bad and awkward input
 # ---------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "key,name",
+    "key,name,error,torchrl_words",
     [
-        (("tokens", "full"), "action"),
-        (("log_probs", "full"), "sample_log_prob"),
-        ("advantage", "advantage"),
+        (("tokens", "full"), "action", ValueError, "Action key"),
+        (("log_probs", "full"), "sample_log_prob", KeyError, "Couldn't find the log-prob"),
+        ("advantage", "advantage", ValueError, "Advantage key"),
     ],
 )
-def test_missing_key_raises(key, name):
+def test_missing_key_raises(key, name, error, torchrl_words):
+    """GRPOLoss' exception type and leading words, then the fix (set_keys)."""
     actor = BigramActor()
     batch = dense_batch(make_rows(actor=actor)).exclude(key)
-    with pytest.raises(KeyError, match=rf"{name}.*set_keys\({name}="):
+    with pytest.raises(error, match=rf"^[\"']?{torchrl_words}.*set_keys\({name}="):
         GSPOLoss(actor)(batch)
+    with pytest.raises(error, match=torchrl_words):
+        GRPOLoss(actor)(batch)
 
 
 def test_old_log_probs_requiring_grad_raise():
     actor = BigramActor()
     batch = dense_batch(make_rows(actor=actor))
     batch.set(("log_probs", "full"), batch["log_probs", "full"].clone().requires_grad_())
-    with pytest.raises(ValueError, match=r"\('log_probs', 'full'\) require grad.*no_grad"):
+    with pytest.raises(RuntimeError, match=r"\('log_probs', 'full'\) require grad.*no_grad"):
         GSPOLoss(actor)(batch)
+    with pytest.raises(RuntimeError, match="requires grad"):  # GRPOLoss' type
+        GRPOLoss(actor)(batch)
 
 
 def test_log_prob_shape_mismatch_raises():
@@ -654,7 +689,7 @@ def test_bfloat16_matches_float32_on_the_same_values():
             },
             batch_size=[batch],
         )
-        return GSPOLoss(actor, entropy_bonus=False, masking_strategy="generic"), data
+        return GSPOLoss(actor, entropy_bonus=False), data
 
     loss16, data16 = run(torch.bfloat16)
     with pytest.warns(UserWarning, match="bfloat16 log-probabilities"):

@@ -87,10 +87,10 @@ def test_token_ratio_value_is_the_sequence_ratio():
     batch = lazy_batch(rows)
     token_loss, seq_loss = GSPOTokenLoss(actor), GSPOLoss(actor)
     lw_token, _, _, mask_t = token_loss._log_weight(
-        token_loss._with_aligned_advantage(batch), torch.Size([len(rows), 1])
+        token_loss._prepare_input(batch)[0], torch.Size([len(rows), 1])
     )
     lw_seq, _, _, mask_s = seq_loss._log_weight(
-        seq_loss._with_aligned_advantage(batch), torch.Size([len(rows), 1])
+        seq_loss._prepare_input(batch)[0], torch.Size([len(rows), 1])
     )
     assert torch.equal(mask_t, mask_s)
     assert torch.equal(lw_token, lw_seq)
@@ -156,7 +156,7 @@ def test_advantage_rows_shorter_than_the_response_raise():
     advantages = distinct_advantages(rows)
     lengths = [int(r["response"].sum()) for r in rows]
     short = [a[-(n - 1) :] if n >= 2 else a for a, n in zip(advantages, lengths, strict=True)]
-    with pytest.raises(ValueError, match=r"NaN or padding at \d+ valid response token"):
+    with pytest.raises(ValueError, match=r"NaN, infinite or padding at \d+ valid token"):
         GSPOTokenLoss(actor)(per_token_batch(rows, short))
 
 
@@ -171,7 +171,7 @@ def test_right_padded_dense_advantages_with_nan_padding_raise():
     )
     batch = dense_batch(rows)
     batch.set("advantage", right.unsqueeze(-1))
-    with pytest.raises(ValueError, match=r"NaN or padding at \d+ valid response token"):
+    with pytest.raises(ValueError, match=r"NaN, infinite or padding at \d+ valid token"):
         GSPOTokenLoss(actor)(batch)
 
 

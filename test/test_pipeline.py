@@ -99,7 +99,7 @@ def reference_response_log_probs(model, data):
 
 def sequence_log_ratios(loss_fn, data):
     lw, _, _, mask = loss_fn._log_weight(
-        loss_fn._with_aligned_advantage(data), torch.Size([data.batch_size[0], 1])
+        loss_fn._prepare_input(data)[0], torch.Size([data.batch_size[0], 1])
     )
     lw = lw.squeeze(-1)
     return torch.where(mask, lw, 0.0).sum(-1) / mask.sum(-1).clamp_min(1), mask
@@ -162,8 +162,12 @@ def test_pad_output_training_wrapper_is_detected(setup):
     """pad_output=True ignores left padding: short rows get prompt tokens as response."""
     tokenizer, model, data = setup
     bad = training_wrapper(model, tokenizer, pad_output=True)
-    data = with_old_log_probs(data, bad)
-    with pytest.raises(ValueError, match="pad_output=True"):
+    # its log-prob rows are padded to the longest one: not one value per token
+    with pytest.raises(ValueError, match="do not have one value per token.*pad_output=True"):
+        GSPOLoss(bad)(with_old_log_probs(data, bad))
+    # with correct old log-probs, its "sft" mask still counts prompt tokens as response
+    data = with_old_log_probs(data, training_wrapper(model, tokenizer))
+    with pytest.raises(ValueError, match="does not match the sampled responses.*pad_output=True"):
         GSPOLoss(bad)(data)
     with pytest.warns(UserWarning, match="does not match the sampled responses"):
         GSPOLoss(bad, response_mask_check="warn")(data)

@@ -6,11 +6,14 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import warnings
 from typing import Literal
 
 import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase
+from tensordict.utils import NestedKey
 from torch import distributions as d
 from torchrl.modules.llm import LLMWrapperBase
 from torchrl.objectives.llm.grpo import GRPOLoss, LLMLossOutput
@@ -18,14 +21,99 @@ from torchrl.objectives.llm.grpo import GRPOLoss, LLMLossOutput
 __all__ = ["GSPOLoss", "GSPOLossOutput", "GSPOTokenLoss", "GSPOTokenLossOutput"]
 
 # Private key, set on the loss' own shallow copy of the input: True where the
-# (left-aligned) advantage holds a value, False where it is padding or NaN.
+# (left-aligned) advantage holds a finite value, False where it is padding or not finite.
 _ADVANTAGE_HAS_VALUE = "_gspo_advantage_has_value"
+# Private key, set on the same copy: the call's diagnostics buffer, [B, n], created by
+# forward and filled in place by _log_weight (its first row), so that the diagnostics
+# travel with the call and nothing is stored on the module between the two methods. A
+# lazily stacked batch gives each row a view of its row of the buffer.
+_DIAGNOSTICS_BUFFER = "_gspo_diagnostics"
+_DIAGNOSTICS = (
+    "clip_fraction",
+    "clip_fraction_low",
+    "clip_fraction_high",
+    "sequence_clip_fraction",
+    "ESS",
+    "sequence_log_ratio",
+    "sequence_log_ratio_max_abs",
+)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _AGGREGATIONS = ("prompt_mean", "token_mean", "none")
+_MASKING_STRATEGIES = ("sft", "rlhf", "generic")
+_RESPONSE_MASK_CHECKS = ("raise", "warn", "ignore")
 _RESPONSE_KEY = ("tokens", "response")
+_CLIP_BUFFERS = ("clip_epsilon_low", "clip_epsilon_high")
 # Clip ranges above this are GRPO-scale: sequence-level clipping barely ever binds.
 _LARGE_EPSILON = 0.01
-_RESPONSE_MASK_CHECKS = ("raise", "warn", "ignore")
+
+
+def _real(value, name: str) -> float:
+    """``value`` as a Python float, or an error that names the argument."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{name} must be a real number, got {value!r} of type {type(value).__name__}."
+        )
+    value = float(value)
+    if math.isnan(value):
+        raise ValueError(f"{name} is NaN; pass a real number.")
+    return value
+
+
+def _checked_clip_epsilon(clip_epsilon) -> tuple[float, float]:
+    pair = clip_epsilon if isinstance(clip_epsilon, (tuple, list)) else (clip_epsilon,) * 2
+    if len(pair) != 2:
+        raise ValueError(
+            "clip_epsilon must be a number or a pair (eps_low, eps_high), got "
+            f"{len(pair)} values: {clip_epsilon!r}."
+        )
+    low, high = (_real(value, "clip_epsilon") for value in pair)
+    if not (0.0 <= low < 1.0 and 0.0 <= high < math.inf):
+        raise ValueError(
+            "clip_epsilon must satisfy 0 <= eps_low < 1 and 0 <= eps_high < inf, so that "
+            f"the clip range [1 - eps_low, 1 + eps_high] contains 1; got ({low}, {high})."
+        )
+    return low, high
+
+
+def _checked_max_log_ratio(max_log_ratio) -> float | None:
+    if max_log_ratio is None:
+        return None
+    value = _real(max_log_ratio, "max_log_ratio")
+    if value < 0:
+        raise ValueError(
+            f"max_log_ratio must be >= 0 or None, got {value}: a negative clamp would "
+            "move the on-policy sequence ratio (log-ratio 0) below 1."
+        )
+    return value
+
+
+def _check_choice(name: str, value, choices: tuple[str, ...]) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
+
+
+def _lazy_rows(tensordict: TensorDictBase, key: NestedKey) -> list[torch.Tensor] | None:
+    """The per-row tensors at ``key`` of a batch lazily stacked along dim 0, else None."""
+    if isinstance(tensordict, LazyStackedTensorDict) and tensordict.stack_dim == 0:
+        return tensordict.get(key, as_list=True)
+    return None
+
+
+def _diagnostics_buffer(tensordict: TensorDictBase) -> torch.Tensor | None:
+    """The first row of the call's diagnostics buffer (a view), None outside forward."""
+    if isinstance(tensordict, LazyStackedTensorDict) and tensordict.stack_dim == 0:
+        rows = tensordict.get(_DIAGNOSTICS_BUFFER, None, as_list=True)
+        return None if rows is None else rows[0]
+    buffer = tensordict.get(_DIAGNOSTICS_BUFFER, None)
+    return None if buffer is None else buffer[0]
+
+
+def _left_pad(rows: list[torch.Tensor], value: float) -> torch.Tensor:
+    return torch.nn.utils.rnn.pad_sequence(
+        rows, batch_first=True, padding_value=value, padding_side="left"
+    )
 
 
 class GSPOLossOutput(LLMLossOutput):
@@ -56,9 +144,10 @@ Attributes:
         ratio lies outside ``[1 - eps_low, 1 + eps_high]`` (every sequence
         weighted equally).
     sequence_log_ratio (torch.Tensor): mean of the sequence log-ratios
-        :math:`\\log s_i` over non-empty sequences (0 on-policy).
+        :math:`\\log s_i` over non-empty sequences (0 on-policy); :math:`-\\infty`
+        when a sampled token has probability 0 under the current policy.
     sequence_log_ratio_max_abs (torch.Tensor): largest :math:`|\\log s_i|` over
-        non-empty sequences.
+        non-empty sequences; :math:`+\\infty` in that same case.
 
 Examples:
     >>> import torch
@@ -116,17 +205,39 @@ class GSPOLoss(GRPOLoss):
     - Before exponentiation the sequence log-ratio is clamped from above at
       ``max_log_ratio`` so that a runaway sequence gives a finite loss and
       gradient (the clamped sequence then has no gradient, as in verl).
-    - Old log-probabilities that are NaN (vLLM pads prompt positions with NaN)
-      are excluded from the mask by :class:`~torchrl.objectives.llm.GRPOLoss`; an
-      empty (all-padding) sequence contributes 0 to the loss.
+    - An empty (all-padding) sequence contributes 0 to the loss. A current
+      log-probability of :math:`-\infty` on a valid token (the policy gives a
+      sampled token probability 0) makes that sequence's ratio 0: the loss and
+      the gradient stay finite; ``sequence_log_ratio`` is then :math:`-\infty`,
+      ``sequence_log_ratio_max_abs`` :math:`+\infty` and the inherited
+      ``kl_approx`` :math:`+\infty`.
 
-    Advantages must be one value per sequence: ``[B, 1, 1]``, a dense
-    ``[B, T, 1]`` aligned with the (left-padded) log-probabilities, or lazily
-    stacked rows of different lengths as :class:`~torchrl.objectives.llm.MCAdvantage`
-    writes them, which are read left-padded so that they line up with the tokens
-    they belong to. Advantages that vary across the valid tokens of a sequence
-    raise a :class:`ValueError`: use :class:`~torchrl_gspo.GSPOTokenLoss` for
-    per-token advantages.
+    Input rules (each violation raises an error that names the key and the fix):
+
+    - Old log-probabilities are constants (a ``RuntimeError`` if they require
+      grad, as in :class:`~torchrl.objectives.llm.GRPOLoss`), with one value per
+      token: in a lazily stacked batch each row as long as its token row.
+    - Non-finite old log-probabilities are legitimate only on the prompt, where
+      vLLM writes NaN: positions outside the ``"sft"`` mask, or, with
+      ``"rlhf"`` and ``"generic"`` masks, positions before a row's first finite
+      value. They are left out of :math:`|y_i|`. Inside a response they raise.
+    - The current log-probabilities (the actor's) are never NaN or :math:`+\infty`
+      on a valid token.
+    - With ``masking_strategy="generic"`` the first token of each row is not
+      scored: nothing precedes it, so it has no log-probability (TorchRL's
+      :class:`~torchrl.modules.llm.TransformersWrapper` writes 0 for it in its
+      log-prob output and a placeholder on its logits path; scoring it would put
+      an off-policy token in every sequence ratio).
+    - Advantages are finite on every valid token, constants (a ``RuntimeError``
+      if they require grad: nothing flows back into the caller's tensor), of any
+      real dtype (integers are cast to the default float dtype).
+    - The batch has one batch dimension and at least one row (rows with no
+      response token are fine). The input tensordict is never modified, and the
+      loss keeps no state between calls: one module can serve several threads.
+
+    Missing keys raise :class:`~torchrl.objectives.llm.GRPOLoss`' exception types
+    with its leading words (``ValueError("Action key ...")``,
+    ``ValueError("Advantage key ...")``, ``KeyError("Couldn't find the log-prob ...")``).
 
     Diagnostics (see :class:`GSPOLossOutput`): ``clip_fraction`` is the fraction of
     valid response tokens whose *sequence* ratio lies outside
@@ -158,8 +269,13 @@ class GSPOLoss(GRPOLoss):
             default, as in :class:`~torchrl.objectives.llm.GRPOLoss`. Defaults to
             ``"prompt_mean"``.
         max_log_ratio (float | None, optional): upper clamp applied to the
-            sequence log-ratio before exponentiation, ``None`` to disable.
-            Defaults to ``10.0``.
+            sequence log-ratio before exponentiation, ``None`` to disable. Must
+            not be negative (the on-policy log-ratio is 0). Defaults to ``10.0``.
+        masking_strategy (Literal["sft", "rlhf", "generic"], optional): which
+            tokens the loss scores, as in :class:`~torchrl.objectives.llm.GRPOLoss`:
+            the response (``"sft"``, single turn), the assistant turns
+            (``"rlhf"``) or every token after the first (``"generic"``). Any
+            other value raises. Defaults to ``"sft"``.
         response_mask_check (Literal["raise", "warn", "ignore"], optional): with
             ``masking_strategy="sft"`` and a lazily stacked batch that carries the
             sampled responses at ``("tokens", "response")``, each row's number of
@@ -172,7 +288,7 @@ class GSPOLoss(GRPOLoss):
         **kwargs: every other keyword argument of
             :class:`~torchrl.objectives.llm.GRPOLoss` (``entropy_bonus``,
             ``entropy_coeff``, ``kl_to_ref_coeff``, ``kl_to_inference_coeff``,
-            ``kl_mask_threshold``, ``masking_strategy``, ...), unchanged.
+            ``kl_mask_threshold``, ...), unchanged.
 
     Examples:
         >>> import torch
@@ -220,17 +336,16 @@ class GSPOLoss(GRPOLoss):
         clip_epsilon: float | tuple[float, float] = (3e-4, 4e-4),
         aggregation: Literal["prompt_mean", "token_mean", "none"] | None = "prompt_mean",
         max_log_ratio: float | None = 10.0,
+        masking_strategy: Literal["sft", "rlhf", "generic"] = "sft",
         response_mask_check: Literal["raise", "warn", "ignore"] = "raise",
         **kwargs,
     ) -> None:
-        if response_mask_check not in _RESPONSE_MASK_CHECKS:
-            raise ValueError(
-                f"response_mask_check must be one of {_RESPONSE_MASK_CHECKS}, "
-                f"got {response_mask_check!r}."
-            )
+        eps_low, eps_high = _checked_clip_epsilon(clip_epsilon)
+        max_log_ratio = _checked_max_log_ratio(max_log_ratio)
+        _check_choice("masking_strategy", masking_strategy, _MASKING_STRATEGIES)
+        _check_choice("response_mask_check", response_mask_check, _RESPONSE_MASK_CHECKS)
         aggregation = "prompt_mean" if aggregation is None else aggregation
-        if aggregation not in _AGGREGATIONS:
-            raise ValueError(f"aggregation must be one of {_AGGREGATIONS}, got {aggregation!r}.")
+        _check_choice("aggregation", aggregation, _AGGREGATIONS)
         if aggregation == "token_mean":
             warnings.warn(
                 f"{type(self).__name__} with aggregation='token_mean' averages over all "
@@ -240,13 +355,7 @@ class GSPOLoss(GRPOLoss):
                 UserWarning,
                 stacklevel=2,
             )
-        super().__init__(
-            actor_network,
-            clip_epsilon=clip_epsilon,
-            aggregation=aggregation,
-            **kwargs,
-        )
-        if max(self.clip_epsilon_low.item(), self.clip_epsilon_high.item()) > _LARGE_EPSILON:
+        if max(eps_low, eps_high) > _LARGE_EPSILON:
             warnings.warn(
                 f"{type(self).__name__} got clip_epsilon={clip_epsilon}: a token-level "
                 "(GRPO/PPO-scale) range. Sequence ratios are geometric means and stay "
@@ -255,30 +364,37 @@ class GSPOLoss(GRPOLoss):
                 UserWarning,
                 stacklevel=2,
             )
+        super().__init__(
+            actor_network,
+            clip_epsilon=(eps_low, eps_high),
+            aggregation=aggregation,
+            masking_strategy=masking_strategy,
+            **kwargs,
+        )
         # GRPOLoss stores the clip range in float32, where 3e-4 is off by ~1e-11:
-        # keep the user's values exactly (they stay schedulable buffers).
-        if not isinstance(clip_epsilon, (tuple, list)):
-            clip_epsilon = (clip_epsilon, clip_epsilon)
-        for name, value in zip(
-            ("clip_epsilon_low", "clip_epsilon_high"), clip_epsilon, strict=True
-        ):
+        # keep the user's values exactly (they stay schedulable buffers; see _apply).
+        for name, value in zip(_CLIP_BUFFERS, (eps_low, eps_high), strict=True):
             device = getattr(self, name).device
-            setattr(self, name, torch.tensor(float(value), dtype=torch.float64, device=device))
+            setattr(self, name, torch.tensor(value, dtype=torch.float64, device=device))
         self.max_log_ratio = max_log_ratio
         self.response_mask_check = response_mask_check
+        # Warn-once flag: it only silences a repeated warning, never changes a result.
         self._warned_half_precision = False
-        self._sequence_stats: dict[str, torch.Tensor] | None = None
+
+    def _apply(self, fn):
+        # The float64 clip buffers become float32 on a device without float64 (MPS),
+        # where moving them as they are would fail.
+        try:
+            fn(torch.zeros((), dtype=torch.float64))
+        except (TypeError, RuntimeError):
+            for name in _CLIP_BUFFERS:
+                self._buffers[name] = self._buffers[name].float()
+        return super()._apply(fn)
 
     @property
     def out_keys(self):
         keys = list(super().out_keys)
-        for key in (
-            "clip_fraction_low",
-            "clip_fraction_high",
-            "sequence_clip_fraction",
-            "sequence_log_ratio",
-            "sequence_log_ratio_max_abs",
-        ):
+        for key in _DIAGNOSTICS:
             if key not in keys:
                 keys.append(key)
         return keys
@@ -297,130 +413,264 @@ class GSPOLoss(GRPOLoss):
         Returns:
             GSPOLossOutput: the loss terms and diagnostics.
         """
-        tensordict = self._with_aligned_advantage(tensordict)
-        self._sequence_stats = None
+        tensordict, diagnostics = self._prepare_input(tensordict)
         out = super().forward(tensordict)
-        stats, self._sequence_stats = self._sequence_stats, None
-        for name, value in stats.items():
+        for name, value in zip(_DIAGNOSTICS, diagnostics.unbind(), strict=True):
             setattr(out, name, value)
         return out
 
-    def _with_aligned_advantage(self, tensordict: TensorDictBase) -> TensorDictBase:
-        """Validates the inputs and returns a shallow copy with a dense advantage.
+    def _prepare_input(self, tensordict: TensorDictBase) -> tuple[TensorDictBase, torch.Tensor]:
+        """Validates the inputs; returns a shallow copy and the call's diagnostics buffer.
 
         Ragged advantages are read left-padded, like the log-probabilities, so that
         each value lines up with the token it belongs to; padding is recorded under
-        a private key and replaced by 0.
+        a private key and replaced by 0. The copy also carries the (empty)
+        diagnostics buffer, which :meth:`_log_weight` fills.
         """
         keys = self.tensor_keys
-        for name, key in (
-            ("action", keys.action),
-            ("sample_log_prob", keys.sample_log_prob),
-            ("advantage", keys.advantage),
+        name = type(self).__name__
+        present = tensordict.keys(include_nested=True)
+        # The exception types and leading words are GRPOLoss' own.
+        if keys.action not in present:
+            raise ValueError(
+                f"Action key {keys.action} not in tensordict. {name} reads the sampled "
+                f"tokens there; write them, or point the loss at their key with "
+                "loss.set_keys(action=...)."
+            )
+        if keys.advantage not in present:
+            raise ValueError(
+                f"Advantage key {keys.advantage} not in tensordict. {name} reads one "
+                "advantage per sequence there (e.g. from MCAdvantage); write it, or point "
+                "the loss at its key with loss.set_keys(advantage=...)."
+            )
+        if keys.sample_log_prob not in present:
+            raise KeyError(
+                f"Couldn't find the log-prob {keys.sample_log_prob} in the input data. "
+                f"{name} reads the old (sampling) log-probabilities there, one per token; "
+                "write them, or point the loss at their key with "
+                "loss.set_keys(sample_log_prob=...)."
+            )
+        if tensordict.batch_dims != 1:
+            raise ValueError(
+                f"{name}: the batch has shape {tuple(tensordict.batch_size)}; the loss "
+                "expects one batch dimension, [B, T]. Flatten the batch first, e.g. "
+                "tensordict.reshape(-1)."
+            )
+        if tensordict.batch_size[0] == 0:
+            raise ValueError(
+                f"{name}: the batch is empty (batch size 0), so there is no sequence to "
+                "optimise: skip the optimisation step. (Rows with no response token are "
+                "fine: they contribute 0 to the loss.)"
+            )
+        token_rows = _lazy_rows(tensordict, keys.action)
+        if token_rows is None:
+            tokens = tensordict.get(keys.action)
+            lengths = None
+        else:
+            tokens = None
+            lengths = [row.shape[0] for row in token_rows]
+        if (tokens is not None and tokens.ndim != 2) or (
+            token_rows is not None and any(row.ndim != 1 for row in token_rows)
         ):
-            if key not in tensordict.keys(include_nested=True):
-                raise KeyError(
-                    f"{type(self).__name__}: key {key!r} ({name}) is missing from the "
-                    f"input tensordict. Write it there, or point the loss at the key "
-                    f"that holds it with loss.set_keys({name}=...)."
-                )
-        action = tensordict.get(
-            keys.action, as_padded_tensor=True, padding_side="left", padding_value=-100
+            shape = tokens.shape if tokens is not None else [r.shape for r in token_rows]
+            raise ValueError(
+                f"{name}: the tokens at {keys.action!r} have shape {tuple(shape)}; the loss "
+                "expects one batch dimension, [B, T]. Flatten the batch first, e.g. "
+                "tensordict.reshape(-1)."
+            )
+        self._check_log_probs(tensordict, keys.sample_log_prob, tokens, lengths)
+        seq_len = tokens.shape[-1] if tokens is not None else max(lengths)
+        advantage = self._read_advantage(tensordict, seq_len)
+        has_value = advantage.isfinite()
+        diagnostics = advantage.new_zeros(
+            (advantage.shape[0], len(_DIAGNOSTICS)),
+            dtype=torch.promote_types(advantage.dtype, torch.float32),
         )
-        if action.ndim != 2:
-            raise ValueError(
-                f"{type(self).__name__}: the tokens at {keys.action!r} have shape "
-                f"{tuple(action.shape)}; the loss expects one batch dimension, [B, T]. "
-                "Flatten the batch first, e.g. tensordict.reshape(-1)."
-            )
-        old_log_prob = tensordict.get(
-            keys.sample_log_prob,
-            as_padded_tensor=True,
-            padding_side="left",
-            padding_value=0.0,
-        )
-        if old_log_prob.requires_grad:
-            raise ValueError(
-                f"{type(self).__name__}: the old log-probabilities at "
-                f"{keys.sample_log_prob!r} require grad. They must be constants: compute "
-                "them under torch.no_grad() or store them with .detach()."
-            )
-        if old_log_prob.shape != action.shape:
-            raise ValueError(
-                f"{type(self).__name__}: old log-probabilities at {keys.sample_log_prob!r} "
-                f"have shape {tuple(old_log_prob.shape)} but the tokens at {keys.action!r} "
-                f"have shape {tuple(action.shape)} (both read left-padded). Store one "
-                "log-probability per token, of shape [B, T], e.g. from a no-grad forward "
-                "of the training wrapper (return_log_probs=True)."
-            )
-        advantage = tensordict.get(
-            keys.advantage,
-            as_padded_tensor=True,
-            padding_side="left",
-            padding_value=float("nan"),
-        )
-        batch_shape, seq_len = action.shape[:-1], action.shape[-1]
-        if (
-            advantage.ndim != action.ndim + 1
-            or advantage.shape[-1] != 1
-            or advantage.shape[:-2] != batch_shape
-            or advantage.shape[-2] > seq_len
-        ):
-            raise ValueError(
-                f"{type(self).__name__}: advantage at {keys.advantage!r} has shape "
-                f"{tuple(advantage.shape)}, expected {(*batch_shape, 1, 1)} (one value "
-                f"per sequence) or {(*batch_shape, seq_len, 1)} (one value per token, "
-                f"aligned with {keys.action!r}; shorter rows are read as covering the "
-                "last tokens). A [B] or [B, 1] advantage needs trailing singleton "
-                "dimensions: advantage.reshape(-1, 1, 1)."
-            )
-        if 1 < advantage.shape[-2] < seq_len:
-            # Rows shorter than the tokens (e.g. response-only) end with them.
-            pad = advantage.new_full((*batch_shape, seq_len - advantage.shape[-2], 1), torch.nan)
-            advantage = torch.cat([pad, advantage], dim=-2)
-        if not advantage.is_floating_point():
-            advantage = advantage.to(torch.get_default_dtype())
-        has_value = ~advantage.isnan()
         tensordict = tensordict.copy()
         tensordict.set(keys.advantage, torch.where(has_value, advantage, 0.0))
         tensordict.set(_ADVANTAGE_HAS_VALUE, has_value.squeeze(-1))
-        return tensordict
+        tensordict.set(_DIAGNOSTICS_BUFFER, diagnostics)
+        return tensordict, diagnostics[0]
 
-    def _check_advantage(self, tensordict: TensorDictBase, mask: torch.Tensor) -> None:
+    def _check_log_probs(
+        self,
+        tensordict: TensorDictBase,
+        key: NestedKey,
+        tokens: torch.Tensor | None,
+        lengths: list[int] | None,
+    ) -> None:
+        """Log-probabilities must be constants with one value per token of each row."""
+        name = type(self).__name__
+        action_key = self.tensor_keys.action
+        rows = _lazy_rows(tensordict, key)
+        if rows is None:
+            log_prob = tensordict.get(key)
+            requires_grad = log_prob.requires_grad
+            if tokens is None or log_prob.shape != tokens.shape:
+                expected = tuple(tokens.shape) if tokens is not None else "[B, T]"
+                raise ValueError(
+                    f"{name}: the log-probabilities at {key!r} have shape "
+                    f"{tuple(log_prob.shape)} but the tokens at {action_key!r} have shape "
+                    f"{expected} (both read left-padded). Store one log-probability per "
+                    "token, of shape [B, T], e.g. from a no-grad forward of the training "
+                    "wrapper (return_log_probs=True)."
+                )
+        else:
+            requires_grad = any(row.requires_grad for row in rows)
+            wrong = [
+                i for i, (row, n) in enumerate(zip(rows, lengths, strict=True)) if row.shape != (n,)
+            ]
+            if wrong:
+                raise ValueError(
+                    f"{name}: the log-probabilities at {key!r} do not have one value per "
+                    f"token in batch row(s) {wrong}: shapes "
+                    f"{[tuple(rows[i].shape) for i in wrong]} vs token lengths "
+                    f"{[lengths[i] for i in wrong]} at {action_key!r}. A shorter row would "
+                    "be padded with a finite value that silently enters the loss. Known "
+                    "cause: log-probabilities from a wrapper with pad_output=True, padded "
+                    "to the longest row. Store one log-probability per token of each row, "
+                    "e.g. from a no-grad forward of TransformersWrapper(input_mode='tokens', "
+                    "generate=False, return_log_probs=True, pad_output=False)."
+                )
+        if requires_grad:
+            raise RuntimeError(
+                f"{name}: the log-probabilities at {key!r} require grad. They must be "
+                "constants: compute them under torch.no_grad() or store them with "
+                ".detach()."
+            )
+
+    def _read_advantage(self, tensordict: TensorDictBase, seq_len: int) -> torch.Tensor:
+        """The advantage, left-aligned with the tokens; NaN where a row has no value."""
+        name = type(self).__name__
+        key = self.tensor_keys.advantage
+        batch = tensordict.batch_size[0]
+        rows = _lazy_rows(tensordict, key)
+        if rows is None:
+            advantage = tensordict.get(key)
+        elif all(row.ndim >= 1 for row in rows):
+            # Integer rows are cast before the NaN padding, which they cannot hold.
+            dtype = torch.get_default_dtype()
+            advantage = _left_pad(
+                [row if row.is_floating_point() else row.to(dtype) for row in rows], math.nan
+            )
+        else:
+            advantage = None
+        if advantage is not None and advantage.requires_grad:
+            raise RuntimeError(
+                f"{name}: the advantage at {key!r} requires grad, so the loss would "
+                "backpropagate into it. Advantages must be constants: compute them under "
+                "torch.no_grad() or store them with .detach()."
+            )
+        if (
+            advantage is None
+            or advantage.ndim != 3
+            or advantage.shape[-1] != 1
+            or advantage.shape[0] != batch
+            or advantage.shape[-2] > seq_len
+        ):
+            shape = advantage.shape if advantage is not None else [r.shape for r in rows]
+            raise ValueError(
+                f"{name}: advantage at {key!r} has shape {tuple(shape)}, expected "
+                f"{(batch, 1, 1)} (one value per sequence) or {(batch, seq_len, 1)} (one "
+                f"value per token, aligned with {self.tensor_keys.action!r}; shorter rows "
+                "are read as covering the last tokens). A [B] or [B, 1] advantage needs "
+                "trailing singleton dimensions: advantage.reshape(-1, 1, 1)."
+            )
+        if not advantage.is_floating_point():
+            advantage = advantage.to(torch.get_default_dtype())
+        if 1 < advantage.shape[-2] < seq_len:
+            # Rows shorter than the tokens (e.g. response-only) end with them.
+            pad = advantage.new_full((batch, seq_len - advantage.shape[-2], 1), math.nan)
+            advantage = torch.cat([pad, advantage], dim=-2)
+        return advantage
+
+    def _loss_mask(
+        self, tensordict: TensorDictBase, valid: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """GSPO's input rules on the mask of GRPOLoss; raises on bad input.
+
+        ``valid`` is the actor's mask for the masking strategy, ``mask`` GRPOLoss'
+        (``valid`` where the old log-probability is finite).
+        """
+        # Valid tokens whose old log-probability is not finite: legitimate only on the
+        # prompt, before a row's first finite value (where vLLM writes NaN). The "sft"
+        # mask holds no prompt token, so there they are always an error.
+        bad_old = valid & ~mask
+        if self.masking_strategy != "sft":
+            bad_old = bad_old & (mask.cumsum(-1) > 0)
+        if self.masking_strategy == "generic":
+            # The first attended token has no context, hence no log-prob: TorchRL's
+            # wrapper writes 0 for it in its log-prob output and a placeholder on its
+            # logits path. Never score it.
+            mask = mask & (valid.cumsum(-1) != 1)
+        current = tensordict.get("_cur_log_prob")
+        bad_current = mask & (current.isnan() | (current == math.inf))
         advantage = tensordict.get(self.tensor_keys.advantage).squeeze(-1)
         uncovered = mask & ~tensordict.get(_ADVANTAGE_HAS_VALUE)
-        missing = uncovered.any(-1)
-        varying = torch.zeros_like(missing)
+        varying = torch.zeros_like(mask[..., 0])
         if self._sequence_advantage and advantage.shape[-1] > 1:
             inf = torch.finfo(advantage.dtype).max
             high = torch.where(mask, advantage, -inf).amax(-1)
             low = torch.where(mask, advantage, inf).amin(-1)
             varying = mask.any(-1) & (high != low)
+        problems = bad_old | bad_current | uncovered
         if torch.compiler.is_compiling():
             # No data-dependent branch (a graph break) under torch.compile: check in-graph;
             # the eager path below gives the detailed message.
             torch._assert_async(
-                ~(missing | varying).any(),
-                f"{type(self).__name__}: an advantage is NaN, padding or varying within a "
-                "sequence; run the loss eagerly for the details.",
+                ~(problems.any() | varying.any()),
+                f"{type(self).__name__}: invalid input (non-finite old log-probabilities on "
+                "response tokens, NaN current log-probabilities, or advantages that are "
+                "missing, not finite or varying within a sequence); run the loss eagerly "
+                "for the details.",
             )
-            return
-        if not (missing | varying).any():
-            return
-        key = self.tensor_keys.advantage
-        if missing.any():
+            return mask
+        if problems.any() or varying.any():
+            self._raise_bad_input(bad_old, bad_current, uncovered, varying)
+        self._check_response_mask(tensordict, mask)
+        return mask
+
+    def _raise_bad_input(
+        self,
+        bad_old: torch.Tensor,
+        bad_current: torch.Tensor,
+        uncovered: torch.Tensor,
+        varying: torch.Tensor,
+    ) -> None:
+        name = type(self).__name__
+
+        def where(bad: torch.Tensor) -> str:
+            rows = bad.any(-1).nonzero().squeeze(-1).tolist()
+            return f"{int(bad.sum())} valid token(s), in batch row(s) {rows}"
+
+        if bad_old.any():
             raise ValueError(
-                f"{type(self).__name__}: the advantage at {key!r} is NaN or padding at "
-                f"{int(uncovered.sum())} valid response "
-                f"token(s), in batch row(s) {missing.nonzero().squeeze(-1).tolist()}. "
-                "Per-token advantages must cover every token of the loss mask; ragged rows "
-                "are read left-padded, aligned with the end of the tokens."
+                f"{name}: the old log-probabilities at {self.tensor_keys.sample_log_prob!r} "
+                f"are NaN or infinite on {where(bad_old)} of the loss mask "
+                f"(masking_strategy={self.masking_strategy!r}). Non-finite old "
+                "log-probabilities are accepted only on the prompt, where vLLM writes NaN: "
+                "before the first finite value of a row, and outside the 'sft' mask. "
+                "Store a finite log-probability for every response token."
+            )
+        if bad_current.any():
+            raise ValueError(
+                f"{name}: the actor returned NaN or +inf log-probabilities on "
+                f"{where(bad_current)}. Log-probabilities are at most 0; check the "
+                "model's logits (e.g. for overflow in half precision)."
+            )
+        key = self.tensor_keys.advantage
+        if uncovered.any():
+            raise ValueError(
+                f"{name}: the advantage at {key!r} is NaN, infinite or padding at "
+                f"{where(uncovered)}. Every token of the loss mask needs a finite "
+                "advantage; ragged rows are read left-padded, aligned with the end of the "
+                "tokens."
             )
         raise ValueError(
-            f"{type(self).__name__}: the advantage at {key!r} varies across the valid "
-            f"tokens of batch row(s) {varying.nonzero().squeeze(-1).tolist()}. GSPO needs "
-            "one advantage per sequence; for per-token advantages use GSPOTokenLoss "
-            "(GSPO-token, paper section 4.3)."
+            f"{name}: the advantage at {key!r} varies across the valid tokens of batch "
+            f"row(s) {varying.nonzero().squeeze(-1).tolist()}. GSPO needs one advantage "
+            "per sequence; for per-token advantages use GSPOTokenLoss (GSPO-token, paper "
+            "section 4.3)."
         )
 
     def _check_response_mask(self, tensordict: TensorDictBase, mask: torch.Tensor) -> None:
@@ -429,7 +679,6 @@ class GSPOLoss(GRPOLoss):
             or self.masking_strategy != "sft"
             or not isinstance(tensordict, LazyStackedTensorDict)
             or _RESPONSE_KEY not in tensordict.keys(include_nested=True)
-            or torch.compiler.is_compiling()
         ):
             return
         responses = tensordict.get(_RESPONSE_KEY, as_list=True)
@@ -451,15 +700,15 @@ class GSPOLoss(GRPOLoss):
         )
         if self.response_mask_check == "raise":
             raise ValueError(message)
-        warnings.warn(message, UserWarning, stacklevel=4)
+        warnings.warn(message, UserWarning, stacklevel=5)
 
     def _sequence_log_ratio(
         self, token_log_ratio: torch.Tensor, mask: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Masked mean of the token log-ratios over each sequence.
 
-        Returns the sequence log-ratio (``[*B]``, float32 or float64) and the
-        number of valid tokens per sequence (``[*B]``).
+        Returns the sequence log-ratio (``[B]``, float32 or float64) and the
+        number of valid tokens per sequence (``[B]``).
         """
         dtype = token_log_ratio.dtype
         if dtype in _HALF_DTYPES:
@@ -479,42 +728,47 @@ class GSPOLoss(GRPOLoss):
         token_log_ratio = torch.where(mask, token_log_ratio.to(dtype), 0.0)
         return token_log_ratio.sum(-1) / lengths.clamp_min(1).to(dtype), lengths
 
-    def _sequence_diagnostics(
-        self, log_ratio: torch.Tensor, lengths: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
-        log_ratio = log_ratio.detach()
+    def _sequence_diagnostics(self, log_ratio: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """The diagnostics named in ``_DIAGNOSTICS``, from three reductions over the batch."""
         low, high = self._clip_bounds
         nonempty = lengths > 0
         tokens = lengths.to(log_ratio.dtype)
         below = (log_ratio < low) & nonempty
         above = (log_ratio > high) & nonempty
-        n_tokens = tokens.sum().clamp_min(1)
-        n_seq = nonempty.sum()
-        n_seq_f = n_seq.clamp_min(1).to(log_ratio.dtype)
-        weights = torch.where(nonempty, log_ratio, -torch.inf)
-        ess = (2 * weights.logsumexp(-1) - (2 * weights).logsumexp(-1)).exp()
         masked = torch.where(nonempty, log_ratio, 0.0)
-        return {
-            "clip_fraction": (tokens * (below | above)).sum() / n_tokens,
-            "clip_fraction_low": (tokens * below).sum() / n_tokens,
-            "clip_fraction_high": (tokens * above).sum() / n_tokens,
-            "sequence_clip_fraction": (below | above).sum() / n_seq_f,
-            "ESS": torch.where(n_seq > 0, ess / n_seq_f, 0.0),
-            "sequence_log_ratio": masked.sum() / n_seq_f,
-            "sequence_log_ratio_max_abs": masked.abs().max(),
-        }
+        n_tokens, low_tokens, high_tokens, n_seq, clipped, total = torch.stack(
+            [tokens, tokens * below, tokens * above, nonempty, below | above, masked]
+        ).sum(-1)
+        weights = torch.where(nonempty, log_ratio, -math.inf)
+        first, second = torch.stack([weights, 2 * weights]).logsumexp(-1)
+        n_tokens, n_seq = n_tokens.clamp_min(1), n_seq.clamp_min(1)
+        clip_low, clip_high = low_tokens / n_tokens, high_tokens / n_tokens
+        return torch.stack(
+            [
+                clip_low + clip_high,
+                clip_low,
+                clip_high,
+                clipped / n_seq,
+                # ESS, (sum s)^2 / (N sum s^2); 0 when no sequence has a positive weight
+                (2 * first - second).exp().nan_to_num(0.0) / n_seq,
+                total / n_seq,
+                masked.abs().amax(),
+            ]
+        )
 
     def _log_weight(
         self, tensordict: TensorDictBase, adv_shape: torch.Size
     ) -> tuple[torch.Tensor, d.Distribution, torch.Tensor, torch.Tensor]:
         token_log_weight, dist, kl_approx, mask = super()._log_weight(tensordict, adv_shape)
-        self._check_advantage(tensordict, mask)
-        self._check_response_mask(tensordict, mask)
+        mask = self._loss_mask(tensordict, dist.mask, mask)
         log_ratio, lengths = self._sequence_log_ratio(token_log_weight.squeeze(-1), mask)
-        self._sequence_stats = self._sequence_diagnostics(log_ratio, lengths)
+        buffer = _diagnostics_buffer(tensordict)
+        if buffer is not None:  # None when called outside forward
+            buffer.copy_(self._sequence_diagnostics(log_ratio.detach(), lengths))
         if self.max_log_ratio is not None:
             log_ratio = log_ratio.clamp(max=self.max_log_ratio)
         log_weight = torch.where(mask, log_ratio.unsqueeze(-1), 0.0).unsqueeze(-1)
+        kl_approx = torch.where(mask.unsqueeze(-1), kl_approx, 0.0)
         return log_weight, dist, kl_approx, mask
 
     def _aggregate_loss_value(
@@ -635,5 +889,7 @@ class GSPOTokenLoss(GSPOLoss):
         keep = mask.unsqueeze(-1)
         if self.max_log_ratio is not None:
             keep = keep & (log_weight.detach() < self.max_log_ratio)
-        token_grad = torch.where(keep, token - token.detach(), 0.0)
+        # A token of probability 0 (log-prob -inf) gives its sequence ratio 0, hence no
+        # gradient, as in GSPOLoss; -inf - (-inf) would make it NaN.
+        token_grad = torch.where(keep & token.isfinite(), token - token.detach(), 0.0)
         return log_weight.detach() + token_grad, dist, kl_approx, mask
