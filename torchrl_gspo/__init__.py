@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from torchrl_gspo.gspo import GSPOLoss, GSPOLossOutput, GSPOTokenLoss, GSPOTokenLossOutput
+from torchrl_gspo.recompute import RecomputeOldLogProbs
 
 __version__ = "0.1.0"
 
@@ -15,5 +16,6 @@ __all__ = [
     "GSPOLossOutput",
     "GSPOTokenLoss",
     "GSPOTokenLossOutput",
+    "RecomputeOldLogProbs",
     "__version__",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -37,6 +38,30 @@ _DIAGNOSTICS = (
     "sequence_log_ratio",
     "sequence_log_ratio_max_abs",
 )
+# Reported when the old log-probs are recomputed (the old key is present).
+_ROLLOUT_DIAGNOSTICS = (
+    "rollout_log_ratio_mean_abs",
+    "rollout_log_ratio_max_abs",
+    "rollout_outside_clip_fraction",
+    "rollout_kl",
+    "rollout_correction_fraction",
+    "rollout_correction_weight",
+)
+# Private keys of the decoupled mode, on the loss' own copy: the rollout log-probs
+# (moved away from sample_log_prob, which then holds the old ones) and the per-sequence
+# correction weights.
+_ROLLOUT_LOG_PROB = "_gspo_rollout_log_prob"
+_ROLLOUT_WEIGHT = "_gspo_rollout_weight"
+_ROLLOUT_CORRECTIONS = ("truncate", "mask")
+_ROLLOUT_FORMS = ("geometric", "sequence")
+# Default thresholds of the rollout correction. Product ("sequence") form: TRL's cap, 3.
+# Geometric form: verl's band for its length-normalised rejection (seq_mean_k1).
+_DEFAULT_ROLLOUT_THRESHOLDS = {
+    ("truncate", "sequence"): 3.0,
+    ("mask", "sequence"): (1 / 3, 3.0),
+    ("truncate", "geometric"): 1.001,
+    ("mask", "geometric"): (0.999, 1.001),
+}
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _AGGREGATIONS = ("prompt_mean", "token_mean", "none")
 _MASKING_STRATEGIES = ("sft", "rlhf", "generic")
@@ -94,6 +119,42 @@ def _check_choice(name: str, value, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
 
 
+def _checked_rollout_threshold(correction, form, threshold) -> tuple[float, float] | None:
+    """The ``(low, high)`` bounds of the correction's ratio; None without correction."""
+    if correction is None:
+        if threshold is not None:
+            raise ValueError(
+                "rollout_correction_threshold is set but rollout_correction is None; "
+                "pass rollout_correction='truncate' or 'mask'."
+            )
+        return None
+    _check_choice("rollout_correction", correction, _ROLLOUT_CORRECTIONS)
+    _check_choice("rollout_correction_form", form, _ROLLOUT_FORMS)
+    if threshold is None:
+        threshold = _DEFAULT_ROLLOUT_THRESHOLDS[correction, form]
+    if correction == "truncate":
+        if isinstance(threshold, (tuple, list)):
+            raise TypeError(
+                "rollout_correction_threshold for 'truncate' is one cap C (w = min(rho, C)), "
+                f"got {threshold!r}."
+            )
+        low, high = 0.0, _real(threshold, "rollout_correction_threshold")
+    else:
+        if not isinstance(threshold, (tuple, list)) or len(threshold) != 2:
+            raise TypeError(
+                "rollout_correction_threshold for 'mask' is a pair (C_low, C_high) "
+                f"(w = 1[C_low <= rho <= C_high]), got {threshold!r}."
+            )
+        low, high = (_real(value, "rollout_correction_threshold") for value in threshold)
+    if not 0.0 <= low <= 1.0 <= high:
+        raise ValueError(
+            "rollout_correction_threshold must satisfy 0 <= C_low <= 1 <= C_high (a cap C "
+            "of at least 1 for 'truncate'), so that an engine that agrees with the "
+            f"trainer (rho = 1) keeps weight 1; got ({low}, {high})."
+        )
+    return low, high
+
+
 def _lazy_rows(tensordict: TensorDictBase, key: NestedKey) -> list[torch.Tensor] | None:
     """The per-row tensors at ``key`` of a batch lazily stacked along dim 0, else None."""
     if isinstance(tensordict, LazyStackedTensorDict) and tensordict.stack_dim == 0:
@@ -122,6 +183,12 @@ class GSPOLossOutput(LLMLossOutput):
     sequence_clip_fraction: torch.Tensor | None = None
     sequence_log_ratio: torch.Tensor | None = None
     sequence_log_ratio_max_abs: torch.Tensor | None = None
+    rollout_log_ratio_mean_abs: torch.Tensor | None = None
+    rollout_log_ratio_max_abs: torch.Tensor | None = None
+    rollout_outside_clip_fraction: torch.Tensor | None = None
+    rollout_kl: torch.Tensor | None = None
+    rollout_correction_fraction: torch.Tensor | None = None
+    rollout_correction_weight: torch.Tensor | None = None
 
 
 # Building a tensorclass replaces the class docstring with the generated signature;
@@ -133,6 +200,12 @@ their names, but ``clip_fraction`` and ``ESS`` are computed at the sequence
 level (see :class:`GSPOLoss`). All diagnostics are detached 0-dim tensors; none
 of their names starts with ``loss_``, so trainers that sum the ``loss_*``
 entries do not pick them up.
+
+The ``rollout_*`` fields are set when the batch holds the trainer's recomputed
+old log-probabilities (the loss' ``old_log_prob`` key) next to the rollout ones
+(``sample_log_prob``), and are ``None`` otherwise. They describe
+:math:`\\log\\bar\\rho_i = \\frac{1}{|y_i|}\\sum_t (\\log\\pi_\\text{old}
+- \\log\\pi_\\text{roll})(y_{i,t})` over the non-empty sequences.
 
 Attributes:
     clip_fraction_low (torch.Tensor): fraction of valid response tokens whose
@@ -148,6 +221,22 @@ Attributes:
         when a sampled token has probability 0 under the current policy.
     sequence_log_ratio_max_abs (torch.Tensor): largest :math:`|\\log s_i|` over
         non-empty sequences; :math:`+\\infty` in that same case.
+    rollout_log_ratio_mean_abs (torch.Tensor): mean :math:`|\\log\\bar\\rho_i|`,
+        the engine mismatch per token of a sequence. Compare it with the clip
+        range: :math:`\\log(1 + \\epsilon_\\text{high}) \\approx 4 \\cdot 10^{-4}`
+        with the paper's values.
+    rollout_log_ratio_max_abs (torch.Tensor): largest :math:`|\\log\\bar\\rho_i|`.
+    rollout_outside_clip_fraction (torch.Tensor): fraction of sequences whose
+        mismatch alone, :math:`\\bar\\rho_i`, lies outside the clip range: the
+        share of the clip band spent on the engine before any update.
+    rollout_kl (torch.Tensor): token-level estimate of
+        :math:`\\mathrm{KL}(\\pi_\\text{roll} \\| \\pi_\\text{old})`, the mean over
+        valid tokens of :math:`r - 1 - \\log r` with
+        :math:`r = \\pi_\\text{old} / \\pi_\\text{roll}` (the k3 estimator).
+    rollout_correction_fraction (torch.Tensor): fraction of sequences that the
+        rollout correction masked or truncated (0 without correction).
+    rollout_correction_weight (torch.Tensor): mean correction weight
+        :math:`w_i` (1 without correction).
 
 Examples:
     >>> import torch
@@ -211,6 +300,32 @@ class GSPOLoss(GRPOLoss):
       the gradient stay finite; ``sequence_log_ratio`` is then :math:`-\infty`,
       ``sequence_log_ratio_max_abs`` :math:`+\infty` and the inherited
       ``kl_approx`` :math:`+\infty`.
+
+    Three log-probability roles. The rollout log-probabilities, those of the
+    policy that sampled the responses (an inference engine's), are read at
+    ``sample_log_prob`` (``("log_probs", "full")``, where TorchRL's collectors
+    write them). When the batch also holds the trainer's recomputed old
+    log-probabilities at ``old_log_prob`` (``("old_log_probs", "full")``, e.g. from
+    :class:`~torchrl_gspo.RecomputeOldLogProbs`), the ratio :math:`s_i` uses them
+    and the rollout ones serve the optional sequence-level rollout correction
+    (``rollout_correction``), the ``rollout_*`` diagnostics and
+    ``kl_to_inference_coeff``; ``kl_mask_threshold`` then filters against the old
+    ones. Without that key, the rollout log-probabilities are the old policy, as
+    in :class:`~torchrl.objectives.llm.GRPOLoss`. With
+    :math:`\log\rho_i = \sum_t (\log\pi_\text{old} - \log\pi_\text{roll})(y_{i,t})`
+    over the loss mask (``"sequence"`` form) or its mean
+    :math:`\log\bar\rho_i` (``"geometric"`` form), the correction multiplies each
+    sequence's per-token loss terms (the clipped objective and, when enabled, the
+    entropy bonus; not GRPOLoss' batch-mean KL penalties) by the detached weight
+
+    .. math::
+
+        w_i = \min(\rho_i, C) \ \text{("truncate")} \quad\text{or}\quad
+        w_i = \mathbb{1}[C_\text{low} \le \rho_i \le C_\text{high}] \
+        \text{("mask")},
+
+    following the rollout corrections of TRL (``vllm_importance_sampling_*``) and
+    verl (``rollout_is``, ``rollout_rs``).
 
     Input rules (each violation raises an error that names the key and the fix):
 
@@ -276,6 +391,19 @@ class GSPOLoss(GRPOLoss):
             the response (``"sft"``, single turn), the assistant turns
             (``"rlhf"``) or every token after the first (``"generic"``). Any
             other value raises. Defaults to ``"sft"``.
+        rollout_correction (Literal["truncate", "mask"] | None, optional): the
+            sequence-level rollout correction above; it needs the ``old_log_prob``
+            key in the batch (a :class:`KeyError` otherwise). Defaults to ``None``
+            (no correction).
+        rollout_correction_form (Literal["geometric", "sequence"], optional):
+            :math:`\rho_i` as the length-normalised (geometric-mean) ratio
+            :math:`\bar\rho_i`, GSPO's own form, or the product over the sequence
+            (TRL's and verl's ``"sequence"`` level). Defaults to ``"geometric"``.
+        rollout_correction_threshold (float | tuple[float, float] | None, optional):
+            ``C >= 1`` for ``"truncate"``, ``(C_low, C_high)`` with
+            ``C_low <= 1 <= C_high`` for ``"mask"``. Defaults to ``1.001`` /
+            ``(0.999, 1.001)`` (geometric form, verl's length-normalised band) and
+            ``3.0`` / ``(1/3, 3.0)`` (sequence form, TRL's cap).
         response_mask_check (Literal["raise", "warn", "ignore"], optional): with
             ``masking_strategy="sft"`` and a lazily stacked batch that carries the
             sampled responses at ``("tokens", "response")``, each row's number of
@@ -338,9 +466,15 @@ class GSPOLoss(GRPOLoss):
         max_log_ratio: float | None = 10.0,
         masking_strategy: Literal["sft", "rlhf", "generic"] = "sft",
         response_mask_check: Literal["raise", "warn", "ignore"] = "raise",
+        rollout_correction: Literal["truncate", "mask"] | None = None,
+        rollout_correction_form: Literal["geometric", "sequence"] = "geometric",
+        rollout_correction_threshold: float | tuple[float, float] | None = None,
         **kwargs,
     ) -> None:
         eps_low, eps_high = _checked_clip_epsilon(clip_epsilon)
+        rollout_bounds = _checked_rollout_threshold(
+            rollout_correction, rollout_correction_form, rollout_correction_threshold
+        )
         max_log_ratio = _checked_max_log_ratio(max_log_ratio)
         _check_choice("masking_strategy", masking_strategy, _MASKING_STRATEGIES)
         _check_choice("response_mask_check", response_mask_check, _RESPONSE_MASK_CHECKS)
@@ -378,8 +512,31 @@ class GSPOLoss(GRPOLoss):
             setattr(self, name, torch.tensor(value, dtype=torch.float64, device=device))
         self.max_log_ratio = max_log_ratio
         self.response_mask_check = response_mask_check
+        self.rollout_correction = rollout_correction
+        self.rollout_correction_form = rollout_correction_form
+        self._rollout_bounds = rollout_bounds
         # Warn-once flag: it only silences a repeated warning, never changes a result.
         self._warned_half_precision = False
+
+    @dataclass
+    class _AcceptedKeys(GRPOLoss._AcceptedKeys):
+        """Tensordict keys of the loss: GRPOLoss' own, and the old log-probs.
+
+        Attributes:
+            old_log_prob (NestedKey): the trainer's recomputed (proximal) old
+                log-probabilities, e.g. written by
+                :class:`~torchrl_gspo.RecomputeOldLogProbs`. When present in the
+                input, the ratio uses them and ``sample_log_prob`` holds the rollout
+                (inference-engine) log-probabilities. Defaults to
+                ``("old_log_probs", "full")``.
+        """
+
+        old_log_prob: NestedKey = ("old_log_probs", "full")
+
+    def _set_in_keys(self):
+        super()._set_in_keys()
+        if self.tensor_keys.old_log_prob not in self._in_keys:
+            self._in_keys.append(self.tensor_keys.old_log_prob)
 
     def _apply(self, fn):
         # The float64 clip buffers become float32 on a device without float64 (MPS),
@@ -394,7 +551,7 @@ class GSPOLoss(GRPOLoss):
     @property
     def out_keys(self):
         keys = list(super().out_keys)
-        for key in _DIAGNOSTICS:
+        for key in (*_DIAGNOSTICS, *_ROLLOUT_DIAGNOSTICS):
             if key not in keys:
                 keys.append(key)
         return keys
@@ -415,7 +572,10 @@ class GSPOLoss(GRPOLoss):
         """
         tensordict, diagnostics = self._prepare_input(tensordict)
         out = super().forward(tensordict)
-        for name, value in zip(_DIAGNOSTICS, diagnostics.unbind(), strict=True):
+        names = _DIAGNOSTICS
+        if diagnostics.shape[-1] > len(_DIAGNOSTICS):  # decoupled: recomputed old log-probs
+            names = (*_DIAGNOSTICS, *_ROLLOUT_DIAGNOSTICS)
+        for name, value in zip(names, diagnostics.unbind(), strict=True):
             setattr(out, name, value)
         return out
 
@@ -479,14 +639,31 @@ class GSPOLoss(GRPOLoss):
                 "tensordict.reshape(-1)."
             )
         self._check_log_probs(tensordict, keys.sample_log_prob, tokens, lengths)
+        decoupled = keys.old_log_prob != keys.sample_log_prob and keys.old_log_prob in present
+        if decoupled:
+            self._check_log_probs(tensordict, keys.old_log_prob, tokens, lengths)
+        elif self.rollout_correction is not None:
+            raise KeyError(
+                f"{name}: rollout_correction={self.rollout_correction!r} needs the "
+                f"trainer's recomputed old log-probabilities at {keys.old_log_prob!r}, "
+                "which are missing. Write them before the batch is stored, e.g. with "
+                "RecomputeOldLogProbs(policy) as the collector's postproc, or point the "
+                "loss at their key with loss.set_keys(old_log_prob=...)."
+            )
         seq_len = tokens.shape[-1] if tokens is not None else max(lengths)
         advantage = self._read_advantage(tensordict, seq_len)
         has_value = advantage.isfinite()
+        n_diagnostics = len(_DIAGNOSTICS) + decoupled * len(_ROLLOUT_DIAGNOSTICS)
         diagnostics = advantage.new_zeros(
-            (advantage.shape[0], len(_DIAGNOSTICS)),
+            (advantage.shape[0], n_diagnostics),
             dtype=torch.promote_types(advantage.dtype, torch.float32),
         )
         tensordict = tensordict.copy()
+        if decoupled:
+            # The ratio reads sample_log_prob: give it the old log-probs, and keep the
+            # rollout ones for the correction, the diagnostics and the KL to inference.
+            tensordict.rename_key_(keys.sample_log_prob, _ROLLOUT_LOG_PROB)
+            tensordict.rename_key_(keys.old_log_prob, keys.sample_log_prob)
         tensordict.set(keys.advantage, torch.where(has_value, advantage, 0.0))
         tensordict.set(_ADVANTAGE_HAS_VALUE, has_value.squeeze(-1))
         tensordict.set(_DIAGNOSTICS_BUFFER, diagnostics)
@@ -585,19 +762,28 @@ class GSPOLoss(GRPOLoss):
         return advantage
 
     def _loss_mask(
-        self, tensordict: TensorDictBase, valid: torch.Tensor, mask: torch.Tensor
+        self,
+        tensordict: TensorDictBase,
+        valid: torch.Tensor,
+        mask: torch.Tensor,
+        rollout: torch.Tensor | None,
     ) -> torch.Tensor:
         """GSPO's input rules on the mask of GRPOLoss; raises on bad input.
 
         ``valid`` is the actor's mask for the masking strategy, ``mask`` GRPOLoss'
-        (``valid`` where the old log-probability is finite).
+        (``valid`` where the old log-probability is finite), ``rollout`` the rollout
+        log-probabilities when the old ones were recomputed (else None).
         """
-        # Valid tokens whose old log-probability is not finite: legitimate only on the
-        # prompt, before a row's first finite value (where vLLM writes NaN). The "sft"
-        # mask holds no prompt token, so there they are always an error.
+        kept = mask if rollout is None else mask & rollout.isfinite()
+        # Valid tokens whose old (or rollout) log-probability is not finite: legitimate
+        # only on the prompt, before a row's first finite value (where vLLM writes NaN).
+        # The "sft" mask holds no prompt token, so there they are always an error.
         bad_old = valid & ~mask
+        bad_rollout = valid & ~kept & mask
         if self.masking_strategy != "sft":
-            bad_old = bad_old & (mask.cumsum(-1) > 0)
+            after_first = kept.cumsum(-1) > 0
+            bad_old, bad_rollout = bad_old & after_first, bad_rollout & after_first
+        mask = kept
         if self.masking_strategy == "generic":
             # The first attended token has no context, hence no log-prob: TorchRL's
             # wrapper writes 0 for it in its log-prob output and a placeholder on its
@@ -613,52 +799,61 @@ class GSPOLoss(GRPOLoss):
             high = torch.where(mask, advantage, -inf).amax(-1)
             low = torch.where(mask, advantage, inf).amin(-1)
             varying = mask.any(-1) & (high != low)
-        problems = bad_old | bad_current | uncovered
+        problems = bad_old | bad_rollout | bad_current | uncovered
         if torch.compiler.is_compiling():
             # No data-dependent branch (a graph break) under torch.compile: check in-graph;
             # the eager path below gives the detailed message.
             torch._assert_async(
                 ~(problems.any() | varying.any()),
-                f"{type(self).__name__}: invalid input (non-finite old log-probabilities on "
-                "response tokens, NaN current log-probabilities, or advantages that are "
-                "missing, not finite or varying within a sequence); run the loss eagerly "
-                "for the details.",
+                f"{type(self).__name__}: invalid input (non-finite old or rollout "
+                "log-probabilities on response tokens, NaN current log-probabilities, or "
+                "advantages that are missing, not finite or varying within a sequence); "
+                "run the loss eagerly for the details.",
             )
             return mask
         if problems.any() or varying.any():
-            self._raise_bad_input(bad_old, bad_current, uncovered, varying)
+            self._raise_bad_input(
+                bad_old, bad_rollout, bad_current, uncovered, varying, rollout is not None
+            )
         self._check_response_mask(tensordict, mask)
         return mask
 
     def _raise_bad_input(
         self,
         bad_old: torch.Tensor,
+        bad_rollout: torch.Tensor,
         bad_current: torch.Tensor,
         uncovered: torch.Tensor,
         varying: torch.Tensor,
+        decoupled: bool,
     ) -> None:
         name = type(self).__name__
+        keys = self.tensor_keys
 
         def where(bad: torch.Tensor) -> str:
             rows = bad.any(-1).nonzero().squeeze(-1).tolist()
             return f"{int(bad.sum())} valid token(s), in batch row(s) {rows}"
 
-        if bad_old.any():
-            raise ValueError(
-                f"{name}: the old log-probabilities at {self.tensor_keys.sample_log_prob!r} "
-                f"are NaN or infinite on {where(bad_old)} of the loss mask "
-                f"(masking_strategy={self.masking_strategy!r}). Non-finite old "
-                "log-probabilities are accepted only on the prompt, where vLLM writes NaN: "
-                "before the first finite value of a row, and outside the 'sft' mask. "
-                "Store a finite log-probability for every response token."
-            )
+        for bad, key, role in (
+            (bad_old, keys.old_log_prob if decoupled else keys.sample_log_prob, "old"),
+            (bad_rollout, keys.sample_log_prob, "rollout"),
+        ):
+            if bad.any():
+                raise ValueError(
+                    f"{name}: the {role} log-probabilities at {key!r} are NaN or infinite "
+                    f"on {where(bad)} of the loss mask "
+                    f"(masking_strategy={self.masking_strategy!r}). Non-finite "
+                    "log-probabilities are accepted only on the prompt, where vLLM writes "
+                    "NaN: before the first finite value of a row, and outside the 'sft' "
+                    "mask. Store a finite log-probability for every response token."
+                )
         if bad_current.any():
             raise ValueError(
                 f"{name}: the actor returned NaN or +inf log-probabilities on "
                 f"{where(bad_current)}. Log-probabilities are at most 0; check the "
                 "model's logits (e.g. for overflow in half precision)."
             )
-        key = self.tensor_keys.advantage
+        key = keys.advantage
         if uncovered.any():
             raise ValueError(
                 f"{name}: the advantage at {key!r} is NaN, infinite or padding at "
@@ -756,20 +951,102 @@ class GSPOLoss(GRPOLoss):
             ]
         )
 
+    def _rollout_correction(
+        self,
+        tensordict: TensorDictBase,
+        rollout: torch.Tensor,
+        mask: torch.Tensor,
+        lengths: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Per-sequence rollout-to-old ratio: the correction weights and the diagnostics.
+
+        Returns the detached weights ``[B]`` (None without correction) and the
+        diagnostics named in ``_ROLLOUT_DIAGNOSTICS``.
+        """
+        old = tensordict.get(
+            self.tensor_keys.sample_log_prob,
+            as_padded_tensor=True,
+            padding_side="left",
+            padding_value=0.0,
+        )
+        delta = torch.where(mask, old.to(dtype) - rollout.to(dtype), 0.0).detach()
+        log_rho = delta.sum(-1)
+        geometric = log_rho / lengths.clamp_min(1).to(dtype)
+        nonempty = lengths > 0
+        weight, corrected = None, torch.zeros_like(nonempty)
+        if self.rollout_correction is not None:
+            low, high = self._rollout_bounds
+            log_ratio = geometric if self.rollout_correction_form == "geometric" else log_rho
+            if self.rollout_correction == "truncate":
+                weight = log_ratio.clamp(max=math.log(high)).exp()
+                corrected = log_ratio > math.log(high)
+            else:
+                log_low = math.log(low) if low > 0 else -math.inf
+                inside = (log_ratio >= log_low) & (log_ratio <= math.log(high))
+                weight, corrected = inside.to(dtype), ~inside
+        clip_low, clip_high = self._clip_bounds
+        outside = (geometric < clip_low) | (geometric > clip_high)
+        abs_geometric = torch.where(nonempty, geometric.abs(), 0.0)
+        sum_abs, n_outside, n_corrected, weight_sum, n_seq, k3 = torch.stack(
+            [
+                abs_geometric,
+                outside & nonempty,
+                corrected & nonempty,
+                torch.where(nonempty, 1.0 if weight is None else weight, 0.0),
+                nonempty,
+                # k3 estimate of KL(rollout || old), summed per sequence
+                torch.where(mask, delta.expm1() - delta, 0.0).sum(-1),
+            ]
+        ).sum(-1)
+        n_seq = n_seq.clamp_min(1)
+        diagnostics = torch.stack(
+            [
+                sum_abs / n_seq,
+                abs_geometric.amax(),
+                n_outside / n_seq,
+                k3 / lengths.sum().clamp_min(1),
+                n_corrected / n_seq,
+                weight_sum / n_seq,
+            ]
+        )
+        return weight, diagnostics
+
     def _log_weight(
         self, tensordict: TensorDictBase, adv_shape: torch.Size
     ) -> tuple[torch.Tensor, d.Distribution, torch.Tensor, torch.Tensor]:
         token_log_weight, dist, kl_approx, mask = super()._log_weight(tensordict, adv_shape)
-        mask = self._loss_mask(tensordict, dist.mask, mask)
+        # Present only when the old log-probs were recomputed (decoupled mode).
+        rollout = tensordict.get(
+            _ROLLOUT_LOG_PROB, None, as_padded_tensor=True, padding_side="left", padding_value=0.0
+        )
+        mask = self._loss_mask(tensordict, dist.mask, mask, rollout)
         log_ratio, lengths = self._sequence_log_ratio(token_log_weight.squeeze(-1), mask)
         buffer = _diagnostics_buffer(tensordict)
         if buffer is not None:  # None when called outside forward
-            buffer.copy_(self._sequence_diagnostics(log_ratio.detach(), lengths))
+            diagnostics = self._sequence_diagnostics(log_ratio.detach(), lengths)
+            if rollout is not None:
+                weight, rollout_diagnostics = self._rollout_correction(
+                    tensordict, rollout, mask, lengths, log_ratio.dtype
+                )
+                if weight is not None:
+                    tensordict.set(_ROLLOUT_WEIGHT, weight)
+                diagnostics = torch.cat([diagnostics, rollout_diagnostics])
+            buffer.copy_(diagnostics)
         if self.max_log_ratio is not None:
             log_ratio = log_ratio.clamp(max=self.max_log_ratio)
         log_weight = torch.where(mask, log_ratio.unsqueeze(-1), 0.0).unsqueeze(-1)
         kl_approx = torch.where(mask.unsqueeze(-1), kl_approx, 0.0)
         return log_weight, dist, kl_approx, mask
+
+    def _kl_to_ref(self, tensordict: TensorDictBase, key: NestedKey = None, **kwargs):
+        # The KL to the inference policy stays with the rollout log-probs when the old
+        # ones were recomputed (they then sit at sample_log_prob in the loss' copy).
+        if key == self.tensor_keys.sample_log_prob and _ROLLOUT_LOG_PROB in tensordict.keys():
+            key = _ROLLOUT_LOG_PROB
+        if key is None:
+            return super()._kl_to_ref(tensordict, **kwargs)
+        return super()._kl_to_ref(tensordict, key=key, **kwargs)
 
     def _aggregate_loss_value(
         self,
@@ -777,6 +1054,11 @@ class GSPOLoss(GRPOLoss):
         mask: torch.Tensor,
         tensordict: TensorDictBase | None = None,
     ) -> torch.Tensor:
+        if self.rollout_correction is not None and tensordict is not None:
+            # The rollout correction weighs each sequence's per-token loss terms.
+            weight = tensordict.get(_ROLLOUT_WEIGHT, None)
+            if weight is not None:
+                value = value * weight.to(value.dtype).reshape(-1, *(1,) * (value.ndim - 1))
         loss = super()._aggregate_loss_value(value, mask, tensordict=tensordict)
         if self.aggregation == "prompt_mean" and self.reduction != "none":
             # GRPOLoss returns shape (1,) here; GSPO's objective is a scalar.
