@@ -30,14 +30,15 @@ The pipeline is TorchRL's GRPO recipe with ``GRPOLoss`` swapped for ``GSPOLoss``
   return_log_probs=True, pad_output=False)`` with ``masking_strategy="sft"``: it reads the
   sampled tokens (``("tokens", "full")``), so the mask is exactly the sampled response.
 
-One TorchRL piece does not serve, and is replaced by the smallest thing that does:
-
-- Old log-probs. The generation wrapper's log-probs (``return_log_probs=True`` with
-  ``generate=True``) report 0 for the first response token, which would bias every
-  sequence ratio by ``|log p(first token)| / |y|``, far beyond GSPO's clip range.
-  :class:`OldLogProbs`, the collector's ``postproc``, recomputes them with a no-grad
-  forward of the training wrapper before the batch enters the buffer. (TorchRL's recipe
-  takes them from vLLM instead; vLLM is not used or tested here.)
+Old log-probs: the generation wrapper's log-probs (``return_log_probs=True`` with
+``generate=True``) report 0 for the first response token, which would bias every
+sequence ratio by ``|log p(first token)| / |y|``, far beyond GSPO's clip range. The
+collector's ``postproc``, :class:`~torchrl_gspo.RecomputeOldLogProbs`, scores the
+sampled tokens with a no-grad forward of the training wrapper before the batch enters
+the buffer. Here the generator shares the training model, so those are also the
+rollout log-probs (written at ``("log_probs", "full")``). With a separate inference
+engine, see ``examples/engine_mismatch.py``, which builds this pipeline with a bfloat16
+engine (``build_pipeline(..., engine_dtype=torch.bfloat16)``).
 
 Two configuration choices: the environment and the generator run in history mode, as in
 TorchRL's recipe, because ``ChatEnv``'s tokens mode (TorchRL 0.14.1) cannot step ragged
@@ -62,6 +63,7 @@ exact) so that both losses report the same quantity.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import random
 import time
@@ -82,7 +84,7 @@ from torchrl.data import (
     SamplerWithoutReplacement,
     Unbounded,
 )
-from torchrl.envs import EnvBase, InitTracker, StepCounter, Transform
+from torchrl.envs import Compose, EnvBase, InitTracker, StepCounter, Transform
 from torchrl.envs.llm import ChatEnv
 from torchrl.modules.llm import TransformersWrapper
 from torchrl.objectives.llm import GRPOLoss, MCAdvantage
@@ -90,7 +92,7 @@ from torchrl.trainers.algorithms.grpo import GRPOTrainer
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from torchrl_gspo import GSPOLoss, GSPOTokenLoss
+from torchrl_gspo import GSPOLoss, GSPOTokenLoss, RecomputeOldLogProbs
 
 LETTERS = "abcdefgh"  # what a response may contain
 PROMPT_LETTERS = "abcd"  # what a prompt asks for
@@ -193,16 +195,27 @@ class LetterReward(Transform):
         return reward_spec
 
 
-class OldLogProbs:
-    """Collector ``postproc``: the "old" log-probs from a no-grad training-wrapper forward."""
+def inference_copy(model: Qwen2ForCausalLM, dtype: torch.dtype) -> Qwen2ForCausalLM:
+    """A copy of ``model`` in ``dtype``, standing in for an inference engine.
 
-    def __init__(self, policy: TransformersWrapper) -> None:
-        self.policy = policy
+    Its logits are cast to float32 before any log-softmax or sampling, as inference
+    engines compute log-probabilities (vLLM does so from bfloat16 weights).
+    """
+    engine = copy.deepcopy(model).to(dtype)
+    engine.lm_head.register_forward_hook(lambda module, args, output: output.float())
+    return engine
 
-    def __call__(self, data: TensorDictBase) -> TensorDictBase:
-        with torch.no_grad():
-            data.set("log_probs", self.policy(data.copy()).get("log_probs"))
-        return data
+
+def scoring_wrapper(model: Qwen2ForCausalLM, tokenizer) -> TransformersWrapper:
+    """The training configuration of TransformersWrapper: it scores the sampled tokens."""
+    return TransformersWrapper(
+        model,
+        tokenizer=tokenizer,
+        input_mode="tokens",
+        generate=False,
+        return_log_probs=True,
+        pad_output=False,
+    )
 
 
 def make_env(args: argparse.Namespace, tokenizer: PreTrainedTokenizerFast) -> EnvBase:
@@ -220,11 +233,11 @@ def make_env(args: argparse.Namespace, tokenizer: PreTrainedTokenizerFast) -> En
     return env
 
 
-def build_loss(name: str, policy: TransformersWrapper) -> GRPOLoss:
+def build_loss(name: str, policy: TransformersWrapper, **kwargs) -> GRPOLoss:
     if name == "gspo":
-        return GSPOLoss(policy, entropy_bonus=False)  # paper defaults
+        return GSPOLoss(policy, entropy_bonus=False, **kwargs)  # paper defaults
     if name == "gspo-token":
-        return GSPOTokenLoss(policy, entropy_bonus=False)
+        return GSPOTokenLoss(policy, entropy_bonus=False, **kwargs)
     return GRPOLoss(
         policy, clip_epsilon=(0.2, 0.27), aggregation="prompt_mean", entropy_bonus=False
     )
@@ -235,18 +248,45 @@ class Pipeline:
     """The TorchRL pieces of one training run."""
 
     model: Qwen2ForCausalLM
+    engine: Qwen2ForCausalLM  # the generator's model: ``model`` itself, or a copy
     buffer: ReplayBuffer
     collector: LLMCollector
     loss_fn: GRPOLoss
     trainer: GRPOTrainer
 
 
-def build_pipeline(loss_name: str, args: argparse.Namespace) -> Pipeline:
-    """Environment, collector, replay buffer, loss and trainer for one run."""
+def build_pipeline(
+    loss_name: str,
+    args: argparse.Namespace,
+    *,
+    engine_dtype: torch.dtype | None = None,
+    trainer_key: str = "old_log_probs",
+    loss_kwargs: dict | None = None,
+) -> Pipeline:
+    """Environment, collector, replay buffer, loss and trainer for one run.
+
+    With ``engine_dtype=None`` the generator shares the training model, and the
+    training wrapper's no-grad forward writes the rollout log-probs
+    (``("log_probs", "full")``). With a dtype, the generator runs a copy of the model
+    in that dtype (:func:`inference_copy`), an inference engine: its own log-probs are
+    the rollout ones, the trainer's recomputed ones go to ``trainer_key`` (the loss'
+    old key for GSPOLoss' decoupled mode, another key to leave them unused), and the
+    copy takes the trainer's weights after each batch's updates (a state-dict copy:
+    TorchRL's weight-sync schemes serve engines in other processes and do not cast).
+    """
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, args.seed)
+    engine = model if engine_dtype is None else inference_copy(model, engine_dtype)
+    policy = scoring_wrapper(model, tokenizer)
+    if engine is model:
+        postproc = RecomputeOldLogProbs(policy, out_key="log_probs")
+    else:
+        postproc = Compose(
+            RecomputeOldLogProbs(scoring_wrapper(engine, tokenizer), out_key="log_probs"),
+            RecomputeOldLogProbs(policy, out_key=trainer_key),
+        )
     generator = TransformersWrapper(
-        model,
+        engine,
         tokenizer=tokenizer,
         input_mode="history",
         chat_template_name=CHAT_TEMPLATE,
@@ -259,14 +299,6 @@ def build_pipeline(loss_name: str, args: argparse.Namespace) -> Pipeline:
             "temperature": 1.0,
             "bad_words_ids": banned_token_ids(tokenizer),
         },
-    )
-    policy = TransformersWrapper(
-        model,
-        tokenizer=tokenizer,
-        input_mode="tokens",
-        generate=False,
-        return_log_probs=True,
-        pad_output=False,
     )
     batch_size = args.prompts * args.group_size
     buffer = ReplayBuffer(
@@ -282,23 +314,25 @@ def build_pipeline(loss_name: str, args: argparse.Namespace) -> Pipeline:
         dialog_turns_per_batch=batch_size,
         total_dialog_turns=total,
         replay_buffer=buffer,
-        postproc=OldLogProbs(policy),
+        postproc=postproc,
     )
-    loss_fn = build_loss(loss_name, policy)
+    loss_fn = build_loss(loss_name, policy, **(loss_kwargs or {}))
     trainer = GRPOTrainer(
         collector=collector,
         total_frames=total,
         loss_module=loss_fn,
         optimizer=torch.optim.Adam(model.parameters(), lr=args.lr),
         replay_buffer=buffer,
-        weight_sync_sender=None,  # the generator shares the training model
+        weight_sync_sender=None,  # same process: the engine is synced below
         empty_replay_buffer_on_weight_update=True,  # on-policy batches: flush after use
         clip_norm=None,  # plain Adam steps
         progress_bar=False,  # StepMetrics shows its own, with reward and clip fraction
         log_rewards=False,  # logged per step by StepMetrics instead
         log_kl=False,
     )
-    return Pipeline(model, buffer, collector, loss_fn, trainer)
+    if engine is not model:
+        trainer.register_op("post_steps", lambda: engine.load_state_dict(model.state_dict()))
+    return Pipeline(model, engine, buffer, collector, loss_fn, trainer)
 
 
 def valid_token_clip_fraction(out: TensorDictBase, data: TensorDictBase, loss_name: str) -> float:
@@ -343,6 +377,10 @@ class StepMetrics:
             }
         )
 
+    def extra_fields(self, minibatches: list[dict]) -> dict:
+        """More fields of the record, from this batch's minibatch entries (none here)."""
+        return {}
+
     def on_step_end(self, batch: TensorDictBase | None) -> None:
         mbs, self._minibatches = self._minibatches, []
         rewards = torch.cat([r.reshape(-1) for mb in mbs for r in mb["rewards"]])
@@ -356,8 +394,10 @@ class StepMetrics:
                 k: _mean([mb[k] for mb in mbs])
                 for k in ("loss", "clip_fraction", "ESS", "sequence_log_ratio")
             },
-            # the off-policy minibatches only (on the first one, s_i = 1 up to rounding)
+            # the first minibatch of the batch, and the later, off-policy ones
+            "clip_fraction_first": mbs[0]["clip_fraction"],
             "clip_fraction_off_policy": _mean([mb["clip_fraction"] for mb in mbs[1:]]),
+            **self.extra_fields(mbs),
             "elapsed_s": time.perf_counter() - self._start,
         }
         self.records.append(record)

@@ -20,13 +20,16 @@ from tensordict import TensorDict, lazy_stack
 from torchrl.modules.llm import TransformersWrapper
 from tqdm import tqdm
 
-from torchrl_gspo import GSPOLoss
+from torchrl_gspo import GSPOLoss, RecomputeOldLogProbs
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 spec = importlib.util.spec_from_file_location("gspo_toy", EXAMPLES / "gspo_toy.py")
 gspo_toy = importlib.util.module_from_spec(spec)
 sys.modules["gspo_toy"] = gspo_toy
 spec.loader.exec_module(gspo_toy)
+spec = importlib.util.spec_from_file_location("engine_mismatch", EXAMPLES / "engine_mismatch.py")
+engine_mismatch = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(engine_mismatch)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +86,7 @@ def training_wrapper(model, tokenizer, pad_output=False):
 
 def with_old_log_probs(data, policy):
     """A copy of ``data`` with the example's "old" log-probs (no-grad policy forward)."""
-    return gspo_toy.OldLogProbs(policy)(data.copy())
+    return RecomputeOldLogProbs(policy, out_key="log_probs")(data.copy())
 
 
 def reference_response_log_probs(model, data):
@@ -162,9 +165,13 @@ def test_pad_output_training_wrapper_is_detected(setup):
     """pad_output=True ignores left padding: short rows get prompt tokens as response."""
     tokenizer, model, data = setup
     bad = training_wrapper(model, tokenizer, pad_output=True)
+    with pytest.raises(ValueError, match="needs the training wrapper"):
+        RecomputeOldLogProbs(bad)
     # its log-prob rows are padded to the longest one: not one value per token
+    with torch.no_grad():
+        padded_old = data.copy().set("log_probs", bad(data.copy()).get("log_probs"))
     with pytest.raises(ValueError, match="do not have one value per token.*pad_output=True"):
-        GSPOLoss(bad)(with_old_log_probs(data, bad))
+        GSPOLoss(bad)(padded_old)
     # with correct old log-probs, its "sft" mask still counts prompt tokens as response
     data = with_old_log_probs(data, training_wrapper(model, tokenizer))
     with pytest.raises(ValueError, match="does not match the sampled responses.*pad_output=True"):
@@ -397,3 +404,59 @@ def test_history_mode_with_rlhf_masking():
     # the next minibatch is off-policy
     after = loss_fn(data)
     assert after.sequence_log_ratio_max_abs > 0
+
+
+def test_grpo_trainer_with_a_bfloat16_engine_and_recomputed_old_log_probs():
+    """ChatEnv -> LLMCollector(postproc: the engine's and the trainer's log-probs) ->
+    ReplayBuffer(MCAdvantage) -> GRPOTrainer(GSPOLoss): both roles reach the loss."""
+    args = pipeline_args(steps=2)
+    pipeline = gspo_toy.build_pipeline("gspo", args, engine_dtype=torch.bfloat16)
+    assert pipeline.engine is not pipeline.model
+    assert next(pipeline.engine.parameters()).dtype == torch.bfloat16
+    calls = []
+    pipeline.loss_fn.register_forward_hook(
+        lambda module, inputs, out: calls.append((inputs[0], out.detach()))
+    )
+    pipeline.trainer.train()
+    assert len(calls) == args.steps * args.minibatches
+    for i, (data, out) in enumerate(calls):
+        keys = data.keys(include_nested=True)
+        assert ("log_probs", "full") in keys and ("old_log_probs", "full") in keys
+        # the mismatch diagnostic, recomputed: mean over sequences of |mean_t (old - engine)|
+        responses = data.get(("tokens", "response"), as_list=True)
+        engine = data.get(("log_probs", "full"), as_list=True)
+        old = data.get(("old_log_probs", "full"), as_list=True)
+        log_rho = torch.stack(
+            [
+                (o[-len(r) :].double() - e[-len(r) :].double()).mean()
+                for r, e, o in zip(responses, engine, old, strict=True)
+            ]
+        )
+        assert out.rollout_log_ratio_mean_abs > 0
+        torch.testing.assert_close(
+            out.rollout_log_ratio_mean_abs.double(), log_rho.abs().mean(), rtol=1e-5, atol=1e-7
+        )
+        if i % args.minibatches == 0:  # on-policy with respect to the recomputed old
+            assert out.sequence_log_ratio_max_abs < 1e-5
+    # the engine followed the trainer after each batch (bfloat16 rounding of its weights)
+    for p_engine, p_model in zip(
+        pipeline.engine.parameters(), pipeline.model.parameters(), strict=True
+    ):
+        assert torch.equal(p_engine, p_model.detach().to(torch.bfloat16))
+
+
+def test_engine_mismatch_example_runs_and_writes_its_files(tmp_path):
+    summary = engine_mismatch.main(["--steps", "2", "--out", str(tmp_path), "--no-progress"])
+    assert set(summary) == set(engine_mismatch.RUNS)
+    for name in engine_mismatch.RUNS:
+        records = [json.loads(line) for line in (tmp_path / f"metrics_{name}.jsonl").open()]
+        assert len(records) == 2
+        # one engine log-ratio per non-empty response of the batch (4 x 8 here)
+        assert 0 < len(records[0]["log_rho"]) <= 32
+        assert records[0]["outside_clip_band"] == engine_mismatch.outside_band(
+            records[0]["log_rho"]
+        )
+    # without recomputation the first minibatch is off-policy by the engine mismatch
+    assert summary["gspo-recomputed"]["clip_fraction_first_minibatch_mean"] == 0.0
+    assert summary["gspo-corrected"]["correction_fraction_mean"] is not None
+    assert (tmp_path / "engine_mismatch.png").stat().st_size > 0

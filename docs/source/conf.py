@@ -70,6 +70,9 @@ nitpick_ignore = [
     ("py:obj", "optional"),
     # A private hook named in GSPOLoss' docstring; it has no page of its own.
     ("py:meth", "_log_weight"),
+    # tensordict's key type alias (str or tuple of str) has no documentation page.
+    ("py:class", "NestedKey"),
+    ("py:class", "tensordict._nestedkey.NestedKey"),
 ]
 
 # -- autodoc / autosummary / napoleon ------------------------------------------
@@ -173,6 +176,7 @@ _PUBLIC_PATHS = {
     "torchrl.modules.llm.policies.common.LLMWrapperBase": "torchrl.modules.llm.LLMWrapperBase",
     "torchrl.objectives.llm.grpo.GRPOLoss": "torchrl.objectives.llm.GRPOLoss",
     "torchrl.objectives.llm.grpo.LLMLossOutput": "torchrl.objectives.llm.LLMLossOutput",
+    "torchrl.envs.transforms._base.Transform": "torchrl.envs.transforms.Transform",
 }
 
 

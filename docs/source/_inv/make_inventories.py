@@ -84,6 +84,7 @@ INVENTORIES: dict[str, tuple[str, str, list[tuple[str, str, str]]]] = {
                 "torchrl.data.ReplayBuffer",
                 "torchrl.data.replay_buffers.LazyStackStorage",
                 "torchrl.envs.llm.ChatEnv",
+                "torchrl.envs.transforms.Transform",
                 "torchrl.modules.llm.LLMWrapperBase",
                 "torchrl.modules.llm.TransformersWrapper",
                 "torchrl.modules.llm.vLLMWrapper",
