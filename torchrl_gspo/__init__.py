@@ -6,16 +6,20 @@
 
 from __future__ import annotations
 
+from torchrl_gspo.distributed import GlobalBatchStepper, all_reduce_diagnostics, set_sequence_scale
 from torchrl_gspo.gspo import GSPOLoss, GSPOLossOutput, GSPOTokenLoss, GSPOTokenLossOutput
 from torchrl_gspo.recompute import RecomputeOldLogProbs
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "GlobalBatchStepper",
     "GSPOLoss",
     "GSPOLossOutput",
     "GSPOTokenLoss",
     "GSPOTokenLossOutput",
     "RecomputeOldLogProbs",
+    "all_reduce_diagnostics",
+    "set_sequence_scale",
     "__version__",
 ]

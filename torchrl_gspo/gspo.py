@@ -47,11 +47,22 @@ _ROLLOUT_DIAGNOSTICS = (
     "rollout_correction_fraction",
     "rollout_correction_weight",
 )
+# The diagnostics are computed from sufficient statistics, per call: sums (which add up
+# over micro-batches and ranks) and maxima. Sums: valid tokens, tokens of sequences below
+# and above the clip range, non-empty sequences, clipped sequences, sum of log s_i; then,
+# when decoupled, sum of |log rho_bar_i|, sequences outside the clip range, corrected
+# sequences, sum of weights, sum of the k3 terms. Maxima: max |log s_i|, logsumexp of
+# log s_i and of 2 log s_i (the ESS); then, when decoupled, max |log rho_bar_i|.
+_N_SUMS, _N_MAXIMA = 6, 3
+_N_ROLLOUT_SUMS, _N_ROLLOUT_MAXIMA = 5, 1
 # Private keys of the decoupled mode, on the loss' own copy: the rollout log-probs
 # (moved away from sample_log_prob, which then holds the old ones) and the per-sequence
 # correction weights.
 _ROLLOUT_LOG_PROB = "_gspo_rollout_log_prob"
 _ROLLOUT_WEIGHT = "_gspo_rollout_weight"
+# Private key: the per-sequence scale of the global normalisation, times the row count
+# (GRPOLoss' prompt_mean then averages it into sum_i scale_i * loss_i).
+_SEQUENCE_SCALE = "_gspo_sequence_scale"
 _ROLLOUT_CORRECTIONS = ("truncate", "mask")
 _ROLLOUT_FORMS = ("geometric", "sequence")
 # Default thresholds of the rollout correction. Product ("sequence") form: TRL's cap, 3.
@@ -70,6 +81,39 @@ _RESPONSE_KEY = ("tokens", "response")
 _CLIP_BUFFERS = ("clip_epsilon_low", "clip_epsilon_high")
 # Clip ranges above this are GRPO-scale: sequence-level clipping barely ever binds.
 _LARGE_EPSILON = 0.01
+
+
+def _diagnostics(sums: torch.Tensor, maxima: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The diagnostics of :class:`GSPOLossOutput` from their sufficient statistics.
+
+    The same formulas serve one call (local statistics) and a data-parallel step
+    (statistics reduced over ranks by :func:`~torchrl_gspo.all_reduce_diagnostics`).
+    """
+    n_tokens, low_tokens, high_tokens, n_seq, clipped, total = sums[:_N_SUMS].unbind()
+    max_abs, lse, lse_squares = maxima[:_N_MAXIMA].unbind()
+    n_tokens, n_seq = n_tokens.clamp_min(1), n_seq.clamp_min(1)
+    clip_low, clip_high = low_tokens / n_tokens, high_tokens / n_tokens
+    out = {
+        "clip_fraction": clip_low + clip_high,
+        "clip_fraction_low": clip_low,
+        "clip_fraction_high": clip_high,
+        "sequence_clip_fraction": clipped / n_seq,
+        # (sum s)^2 / (N sum s^2); 0 when no sequence has a positive weight
+        "ESS": (2 * lse - lse_squares).exp().nan_to_num(0.0) / n_seq,
+        "sequence_log_ratio": total / n_seq,
+        "sequence_log_ratio_max_abs": max_abs,
+    }
+    if sums.numel() > _N_SUMS:
+        sum_abs, n_outside, n_corrected, weight_sum, k3 = sums[_N_SUMS:].unbind()
+        out.update(
+            rollout_log_ratio_mean_abs=sum_abs / n_seq,
+            rollout_log_ratio_max_abs=maxima[_N_MAXIMA],
+            rollout_outside_clip_fraction=n_outside / n_seq,
+            rollout_kl=k3 / n_tokens,
+            rollout_correction_fraction=n_corrected / n_seq,
+            rollout_correction_weight=weight_sum / n_seq,
+        )
+    return out
 
 
 def _real(value, name: str) -> float:
@@ -189,6 +233,8 @@ class GSPOLossOutput(LLMLossOutput):
     rollout_kl: torch.Tensor | None = None
     rollout_correction_fraction: torch.Tensor | None = None
     rollout_correction_weight: torch.Tensor | None = None
+    diagnostics_sum: torch.Tensor | None = None
+    diagnostics_max: torch.Tensor | None = None
 
 
 # Building a tensorclass replaces the class docstring with the generated signature;
@@ -237,6 +283,12 @@ Attributes:
         rollout correction masked or truncated (0 without correction).
     rollout_correction_weight (torch.Tensor): mean correction weight
         :math:`w_i` (1 without correction).
+    diagnostics_sum (torch.Tensor): the sums the diagnostics are computed from
+        (counts of tokens and sequences, sums of log-ratios), which add up over
+        micro-batches and ranks. With ``diagnostics_max``, what
+        :func:`~torchrl_gspo.all_reduce_diagnostics` reduces; its layout is
+        private.
+    diagnostics_max (torch.Tensor): the maxima the diagnostics are computed from.
 
 Examples:
     >>> import torch
@@ -520,7 +572,7 @@ class GSPOLoss(GRPOLoss):
 
     @dataclass
     class _AcceptedKeys(GRPOLoss._AcceptedKeys):
-        """Tensordict keys of the loss: GRPOLoss' own, and the old log-probs.
+        r"""Tensordict keys of the loss: GRPOLoss' own, and the old log-probs.
 
         Attributes:
             old_log_prob (NestedKey): the trainer's recomputed (proximal) old
@@ -529,9 +581,15 @@ class GSPOLoss(GRPOLoss):
                 input, the ratio uses them and ``sample_log_prob`` holds the rollout
                 (inference-engine) log-probabilities. Defaults to
                 ``("old_log_probs", "full")``.
+            sequence_scale (NestedKey): one value :math:`c_i` per row, written by
+                :func:`~torchrl_gspo.set_sequence_scale` for a data-parallel or
+                gradient-accumulated step. When present, the loss terms are
+                :math:`\sum_i c_i \ell_i` instead of the per-sequence mean.
+                Defaults to ``"sequence_scale"``.
         """
 
         old_log_prob: NestedKey = ("old_log_probs", "full")
+        sequence_scale: NestedKey = "sequence_scale"
 
     def _set_in_keys(self):
         super()._set_in_keys()
@@ -551,7 +609,7 @@ class GSPOLoss(GRPOLoss):
     @property
     def out_keys(self):
         keys = list(super().out_keys)
-        for key in (*_DIAGNOSTICS, *_ROLLOUT_DIAGNOSTICS):
+        for key in (*_DIAGNOSTICS, *_ROLLOUT_DIAGNOSTICS, "diagnostics_sum", "diagnostics_max"):
             if key not in keys:
                 keys.append(key)
         return keys
@@ -570,12 +628,13 @@ class GSPOLoss(GRPOLoss):
         Returns:
             GSPOLossOutput: the loss terms and diagnostics.
         """
-        tensordict, diagnostics = self._prepare_input(tensordict)
+        tensordict, statistics = self._prepare_input(tensordict)
         out = super().forward(tensordict)
-        names = _DIAGNOSTICS
-        if diagnostics.shape[-1] > len(_DIAGNOSTICS):  # decoupled: recomputed old log-probs
-            names = (*_DIAGNOSTICS, *_ROLLOUT_DIAGNOSTICS)
-        for name, value in zip(names, diagnostics.unbind(), strict=True):
+        n_sums = _N_SUMS
+        if statistics.numel() > _N_SUMS + _N_MAXIMA:  # decoupled: recomputed old log-probs
+            n_sums += _N_ROLLOUT_SUMS
+        out.diagnostics_sum, out.diagnostics_max = statistics[:n_sums], statistics[n_sums:]
+        for name, value in _diagnostics(out.diagnostics_sum, out.diagnostics_max).items():
             setattr(out, name, value)
         return out
 
@@ -653,11 +712,14 @@ class GSPOLoss(GRPOLoss):
         seq_len = tokens.shape[-1] if tokens is not None else max(lengths)
         advantage = self._read_advantage(tensordict, seq_len)
         has_value = advantage.isfinite()
-        n_diagnostics = len(_DIAGNOSTICS) + decoupled * len(_ROLLOUT_DIAGNOSTICS)
+        n_statistics = _N_SUMS + _N_MAXIMA + decoupled * (_N_ROLLOUT_SUMS + _N_ROLLOUT_MAXIMA)
         diagnostics = advantage.new_zeros(
-            (advantage.shape[0], n_diagnostics),
+            (advantage.shape[0], n_statistics),
             dtype=torch.promote_types(advantage.dtype, torch.float32),
         )
+        scale = None
+        if keys.sequence_scale in present:
+            scale = self._read_sequence_scale(tensordict, advantage.shape[0])
         tensordict = tensordict.copy()
         if decoupled:
             # The ratio reads sample_log_prob: give it the old log-probs, and keep the
@@ -667,7 +729,37 @@ class GSPOLoss(GRPOLoss):
         tensordict.set(keys.advantage, torch.where(has_value, advantage, 0.0))
         tensordict.set(_ADVANTAGE_HAS_VALUE, has_value.squeeze(-1))
         tensordict.set(_DIAGNOSTICS_BUFFER, diagnostics)
+        if scale is not None:
+            tensordict.set(_SEQUENCE_SCALE, scale * scale.shape[0])
         return tensordict, diagnostics[0]
+
+    def _read_sequence_scale(self, tensordict: TensorDictBase, batch: int) -> torch.Tensor:
+        """The per-sequence scale of the global normalisation, ``[B]``."""
+        name, key = type(self).__name__, self.tensor_keys.sequence_scale
+        if self.aggregation != "prompt_mean" or self.reduction == "none":
+            raise ValueError(
+                f"{name}: the batch holds a sequence scale at {key!r} (global "
+                "normalisation), which replaces the per-sequence mean of "
+                f"aggregation='prompt_mean'; got aggregation={self.aggregation!r}, "
+                f"reduction={self.reduction!r}. Use aggregation='prompt_mean'."
+            )
+        rows = _lazy_rows(tensordict, key)
+        scale = tensordict.get(key) if rows is None else torch.stack([r.reshape(-1) for r in rows])
+        if scale.numel() != batch or scale.requires_grad:
+            raise ValueError(
+                f"{name}: the sequence scale at {key!r} has shape {tuple(scale.shape)}; "
+                f"expected one constant value per row ({batch} values), as "
+                "set_sequence_scale writes it."
+            )
+        scale = scale.reshape(batch)
+        if not scale.is_floating_point():
+            scale = scale.to(torch.get_default_dtype())
+        if not (scale.isfinite() & (scale >= 0)).all():
+            raise ValueError(
+                f"{name}: the sequence scale at {key!r} must be finite and >= 0, got "
+                f"{scale.tolist()}."
+            )
+        return scale
 
     def _check_log_probs(
         self,
@@ -923,33 +1015,22 @@ class GSPOLoss(GRPOLoss):
         token_log_ratio = torch.where(mask, token_log_ratio.to(dtype), 0.0)
         return token_log_ratio.sum(-1) / lengths.clamp_min(1).to(dtype), lengths
 
-    def _sequence_diagnostics(self, log_ratio: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """The diagnostics named in ``_DIAGNOSTICS``, from three reductions over the batch."""
+    def _sequence_statistics(
+        self, log_ratio: torch.Tensor, lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sums and maxima of the sequence diagnostics (see ``_N_SUMS``)."""
         low, high = self._clip_bounds
         nonempty = lengths > 0
         tokens = lengths.to(log_ratio.dtype)
         below = (log_ratio < low) & nonempty
         above = (log_ratio > high) & nonempty
         masked = torch.where(nonempty, log_ratio, 0.0)
-        n_tokens, low_tokens, high_tokens, n_seq, clipped, total = torch.stack(
+        sums = torch.stack(
             [tokens, tokens * below, tokens * above, nonempty, below | above, masked]
         ).sum(-1)
         weights = torch.where(nonempty, log_ratio, -math.inf)
-        first, second = torch.stack([weights, 2 * weights]).logsumexp(-1)
-        n_tokens, n_seq = n_tokens.clamp_min(1), n_seq.clamp_min(1)
-        clip_low, clip_high = low_tokens / n_tokens, high_tokens / n_tokens
-        return torch.stack(
-            [
-                clip_low + clip_high,
-                clip_low,
-                clip_high,
-                clipped / n_seq,
-                # ESS, (sum s)^2 / (N sum s^2); 0 when no sequence has a positive weight
-                (2 * first - second).exp().nan_to_num(0.0) / n_seq,
-                total / n_seq,
-                masked.abs().amax(),
-            ]
-        )
+        lse = torch.stack([weights, 2 * weights]).logsumexp(-1)
+        return sums, torch.cat([masked.abs().amax().unsqueeze(0), lse])
 
     def _rollout_correction(
         self,
@@ -958,11 +1039,11 @@ class GSPOLoss(GRPOLoss):
         mask: torch.Tensor,
         lengths: torch.Tensor,
         dtype: torch.dtype,
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Per-sequence rollout-to-old ratio: the correction weights and the diagnostics.
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """Per-sequence rollout-to-old ratio: the correction weights and statistics.
 
-        Returns the detached weights ``[B]`` (None without correction) and the
-        diagnostics named in ``_ROLLOUT_DIAGNOSTICS``.
+        Returns the detached weights ``[B]`` (None without correction) and the sums
+        and maximum of the rollout diagnostics (see ``_N_ROLLOUT_SUMS``).
         """
         old = tensordict.get(
             self.tensor_keys.sample_log_prob,
@@ -988,29 +1069,17 @@ class GSPOLoss(GRPOLoss):
         clip_low, clip_high = self._clip_bounds
         outside = (geometric < clip_low) | (geometric > clip_high)
         abs_geometric = torch.where(nonempty, geometric.abs(), 0.0)
-        sum_abs, n_outside, n_corrected, weight_sum, n_seq, k3 = torch.stack(
+        sums = torch.stack(
             [
                 abs_geometric,
                 outside & nonempty,
                 corrected & nonempty,
                 torch.where(nonempty, 1.0 if weight is None else weight, 0.0),
-                nonempty,
                 # k3 estimate of KL(rollout || old), summed per sequence
                 torch.where(mask, delta.expm1() - delta, 0.0).sum(-1),
             ]
         ).sum(-1)
-        n_seq = n_seq.clamp_min(1)
-        diagnostics = torch.stack(
-            [
-                sum_abs / n_seq,
-                abs_geometric.amax(),
-                n_outside / n_seq,
-                k3 / lengths.sum().clamp_min(1),
-                n_corrected / n_seq,
-                weight_sum / n_seq,
-            ]
-        )
-        return weight, diagnostics
+        return weight, sums, abs_geometric.amax().unsqueeze(0)
 
     def _log_weight(
         self, tensordict: TensorDictBase, adv_shape: torch.Size
@@ -1024,29 +1093,34 @@ class GSPOLoss(GRPOLoss):
         log_ratio, lengths = self._sequence_log_ratio(token_log_weight.squeeze(-1), mask)
         buffer = _diagnostics_buffer(tensordict)
         if buffer is not None:  # None when called outside forward
-            diagnostics = self._sequence_diagnostics(log_ratio.detach(), lengths)
+            sums, maxima = self._sequence_statistics(log_ratio.detach(), lengths)
             if rollout is not None:
-                weight, rollout_diagnostics = self._rollout_correction(
+                weight, rollout_sums, rollout_maxima = self._rollout_correction(
                     tensordict, rollout, mask, lengths, log_ratio.dtype
                 )
                 if weight is not None:
                     tensordict.set(_ROLLOUT_WEIGHT, weight)
-                diagnostics = torch.cat([diagnostics, rollout_diagnostics])
-            buffer.copy_(diagnostics)
+                sums = torch.cat([sums, rollout_sums])
+                maxima = torch.cat([maxima, rollout_maxima])
+            buffer.copy_(torch.cat([sums, maxima]))
         if self.max_log_ratio is not None:
             log_ratio = log_ratio.clamp(max=self.max_log_ratio)
         log_weight = torch.where(mask, log_ratio.unsqueeze(-1), 0.0).unsqueeze(-1)
         kl_approx = torch.where(mask.unsqueeze(-1), kl_approx, 0.0)
         return log_weight, dist, kl_approx, mask
 
-    def _kl_to_ref(self, tensordict: TensorDictBase, key: NestedKey = None, **kwargs):
+    def _kl_to_ref(self, tensordict: TensorDictBase, key: NestedKey, **kwargs):
         # The KL to the inference policy stays with the rollout log-probs when the old
         # ones were recomputed (they then sit at sample_log_prob in the loss' copy).
         if key == self.tensor_keys.sample_log_prob and _ROLLOUT_LOG_PROB in tensordict.keys():
             key = _ROLLOUT_LOG_PROB
-        if key is None:
-            return super()._kl_to_ref(tensordict, **kwargs)
-        return super()._kl_to_ref(tensordict, key=key, **kwargs)
+        loss, value = super()._kl_to_ref(tensordict, key=key, **kwargs)
+        scale = tensordict.get(_SEQUENCE_SCALE, None)
+        if scale is not None:
+            # A batch mean over positions, not per sequence: it counts as many times
+            # as the batch has sequences, as the per-sequence terms do.
+            loss = loss * scale.mean()
+        return loss, value
 
     def _aggregate_loss_value(
         self,
@@ -1054,11 +1128,13 @@ class GSPOLoss(GRPOLoss):
         mask: torch.Tensor,
         tensordict: TensorDictBase | None = None,
     ) -> torch.Tensor:
-        if self.rollout_correction is not None and tensordict is not None:
-            # The rollout correction weighs each sequence's per-token loss terms.
-            weight = tensordict.get(_ROLLOUT_WEIGHT, None)
-            if weight is not None:
-                value = value * weight.to(value.dtype).reshape(-1, *(1,) * (value.ndim - 1))
+        if tensordict is not None:
+            # The rollout correction and the global normalisation weigh each sequence's
+            # per-token loss terms.
+            for key in (_ROLLOUT_WEIGHT, _SEQUENCE_SCALE):
+                weight = tensordict.get(key, None)
+                if weight is not None:
+                    value = value * weight.to(value.dtype).reshape(-1, *(1,) * (value.ndim - 1))
         loss = super()._aggregate_loss_value(value, mask, tensordict=tensordict)
         if self.aggregation == "prompt_mean" and self.reduction != "none":
             # GRPOLoss returns shape (1,) here; GSPO's objective is a scalar.
