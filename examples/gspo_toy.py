@@ -49,6 +49,14 @@ Usage::
 
     python examples/gspo_toy.py                     # GSPO then GRPO, plots both
     python examples/gspo_toy.py --loss gspo --steps 50 --out outputs/run
+    # data-parallel on 2 CPU processes (gloo): DDP and GSPO's global normalisation
+    torchrun --nproc-per-node 2 examples/gspo_toy.py --loss gspo --out outputs/ddp
+
+Under ``torchrun`` each rank samples its own prompts (seed + rank) and responses,
+``model.model`` is wrapped in ``DistributedDataParallel``, and GRPOTrainer steps with
+:class:`~torchrl_gspo.GlobalBatchStepper`, so that each step's loss is the mean over
+the sequences of all ranks; rank 0 writes the summary and plot from its own batches,
+each rank its ``metrics_<loss>_rank<r>.jsonl``.
 
 Outputs in ``--out``: ``metrics_<loss>.jsonl`` (one line per step: reward, loss,
 clip_fraction, ESS, mean sequence log-ratio, response length, ...), ``summary.json``
@@ -65,6 +73,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import random
 import time
 from collections.abc import Iterator
@@ -73,8 +82,10 @@ from pathlib import Path
 from typing import IO
 
 import torch
+import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, IterableDataset
 from torchrl.collectors.llm import LLMCollector
 from torchrl.data import (
@@ -92,7 +103,7 @@ from torchrl.trainers.algorithms.grpo import GRPOTrainer
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from torchrl_gspo import GSPOLoss, GSPOTokenLoss, RecomputeOldLogProbs
+from torchrl_gspo import GlobalBatchStepper, GSPOLoss, GSPOTokenLoss, RecomputeOldLogProbs
 
 LETTERS = "abcdefgh"  # what a response may contain
 PROMPT_LETTERS = "abcd"  # what a prompt asks for
@@ -218,9 +229,21 @@ def scoring_wrapper(model: Qwen2ForCausalLM, tokenizer) -> TransformersWrapper:
     )
 
 
-def make_env(args: argparse.Namespace, tokenizer: PreTrainedTokenizerFast) -> EnvBase:
+def data_parallel() -> tuple[int, int]:
+    """``(rank, world size)``; joins the gloo process group when launched by torchrun."""
+    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("gloo")
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def make_env(
+    args: argparse.Namespace, tokenizer: PreTrainedTokenizerFast, seed: int | None = None
+) -> EnvBase:
     """``--prompts`` prompts per batch, each repeated ``--group-size`` times, one turn each."""
-    dataloader = DataLoader(LetterPrompts(args.seed), batch_size=1, collate_fn=_collate)
+    seed = args.seed if seed is None else seed
+    dataloader = DataLoader(LetterPrompts(seed), batch_size=1, collate_fn=_collate)
     env = ChatEnv.from_dataloader(
         dataloader,
         repeats=args.group_size,
@@ -276,6 +299,16 @@ def build_pipeline(
     """
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, args.seed)
+    rank, world = data_parallel()
+    stepper = None
+    if world > 1:
+        # Data-parallel: each rank samples its own prompts and responses; DDP averages
+        # the gradients, and GlobalBatchStepper makes the step's loss the mean over all
+        # ranks' sequences (one all_reduce per optimisation step).
+        torch.manual_seed(args.seed + rank)
+        # No buffer broadcast at each forward: generation runs a different number of
+        # forwards on each rank, and every DDP collective must be matched across ranks.
+        model.model = DistributedDataParallel(model.model, broadcast_buffers=False)
     engine = model if engine_dtype is None else inference_copy(model, engine_dtype)
     policy = scoring_wrapper(model, tokenizer)
     if engine is model:
@@ -309,7 +342,7 @@ def build_pipeline(
     )
     total = args.steps * batch_size
     collector = LLMCollector(
-        make_env(args, tokenizer),
+        make_env(args, tokenizer, seed=args.seed + rank),
         policy=generator,
         dialog_turns_per_batch=batch_size,
         total_dialog_turns=total,
@@ -317,11 +350,15 @@ def build_pipeline(
         postproc=postproc,
     )
     loss_fn = build_loss(loss_name, policy, **(loss_kwargs or {}))
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    if world > 1:
+        stepper = GlobalBatchStepper(optimizer, clip_norm=None)
     trainer = GRPOTrainer(
         collector=collector,
         total_frames=total,
         loss_module=loss_fn,
-        optimizer=torch.optim.Adam(model.parameters(), lr=args.lr),
+        optimizer=optimizer,
+        optimization_stepper=stepper,  # None: TorchRL's default stepper
         replay_buffer=buffer,
         weight_sync_sender=None,  # same process: the engine is synced below
         empty_replay_buffer_on_weight_update=True,  # on-policy batches: flush after use
@@ -410,8 +447,10 @@ class StepMetrics:
 
 def train(loss_name: str, args: argparse.Namespace, out_dir: Path) -> list[dict]:
     pipeline = build_pipeline(loss_name, args)
+    rank, world = data_parallel()
+    suffix = f"_rank{rank}" if world > 1 else ""
     with (
-        (out_dir / f"metrics_{loss_name}.jsonl").open("w") as file,
+        (out_dir / f"metrics_{loss_name}{suffix}.jsonl").open("w") as file,
         tqdm(total=args.steps, desc=loss_name, disable=args.no_progress) as bar,
     ):
         metrics = StepMetrics(loss_name, file, bar)
@@ -521,6 +560,8 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     names = ("gspo", "grpo") if args.loss == "both" else (args.loss,)
     runs = {name: train(name, args, args.out) for name in names}
+    if data_parallel()[0] != 0:  # one summary and plot, from rank 0's batches
+        return {}
     plot(runs, args.out / ("_vs_".join(n.replace("-", "_") for n in names) + ".png"))
     summary = summarize(runs)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -177,6 +177,11 @@ _PUBLIC_PATHS = {
     "torchrl.objectives.llm.grpo.GRPOLoss": "torchrl.objectives.llm.GRPOLoss",
     "torchrl.objectives.llm.grpo.LLMLossOutput": "torchrl.objectives.llm.LLMLossOutput",
     "torchrl.envs.transforms._base.Transform": "torchrl.envs.transforms.Transform",
+    "ProcessGroup": "torch.distributed.ProcessGroup",
+    "torch.distributed.distributed_c10d.ProcessGroup": "torch.distributed.ProcessGroup",
+    "torch.optim.optimizer.Optimizer": "torch.optim.Optimizer",
+    "torchrl.trainers.trainers.OptimizationStepper": "torchrl.trainers.OptimizationStepper",
+    "Trainer": "torchrl.trainers.Trainer",
 }
 
 

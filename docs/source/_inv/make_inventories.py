@@ -36,6 +36,7 @@ INVENTORIES: dict[str, tuple[str, str, list[tuple[str, str, str]]]] = {
         "3",
         [
             ("bool", "py:class", "library/functions.html#$"),
+            ("collections.abc.Sequence", "py:class", "library/collections.abc.html#$"),
             ("dict", "py:class", "library/stdtypes.html#$"),
             ("float", "py:class", "library/functions.html#$"),
             ("int", "py:class", "library/functions.html#$"),
@@ -59,6 +60,13 @@ INVENTORIES: dict[str, tuple[str, str, list[tuple[str, str, str]]]] = {
             ("torch.no_grad", "py:class", "generated/torch.no_grad.html#$"),
             ("torch.nn.Module", "py:class", "generated/torch.nn.Module.html#$"),
             ("torch.compile", "py:function", "generated/torch.compile.html#$"),
+            ("torch.distributed.ProcessGroup", "py:class", "distributed.html#$"),
+            (
+                "torch.distributed.fsdp.fully_shard",
+                "py:function",
+                "distributed.fsdp.fully_shard.html#$",
+            ),
+            ("torch.optim.Optimizer", "py:class", "optim.html#$"),
         ],
     ),
     "tensordict": (
@@ -95,6 +103,10 @@ INVENTORIES: dict[str, tuple[str, str, list[tuple[str, str, str]]]] = {
                 "torchrl.objectives.llm.GRPOLossOutput",
                 "torchrl.objectives.llm.LLMLossOutput",
                 "torchrl.objectives.llm.MCAdvantage",
+                "torchrl.trainers.MixedPrecisionOptimizationStepper",
+                "torchrl.trainers.OptimizationStepper",
+                "torchrl.trainers.Trainer",
+                "torchrl.trainers.algorithms.grpo.GRPOTrainer",
             )
         ]
         + [
