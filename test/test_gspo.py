@@ -328,7 +328,7 @@ def test_nan_advantage_on_valid_tokens_raises():
     advantage = batch["advantage"].clone()
     advantage[1] = float("nan")
     batch.set("advantage", advantage)
-    with pytest.raises(ValueError, match=r"NaN, infinite or padding at 1 valid token.*\[1\]"):
+    with pytest.raises(ValueError, match=r"is NaN or infinite in batch row\(s\) \[1\]"):
         GSPOLoss(actor)(batch)
 
 

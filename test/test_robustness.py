@@ -258,21 +258,22 @@ def test_infinite_advantage_on_a_valid_row_raises(loss_cls, kind, value):
     rows = make_rows(actor=actor, advantages=advantages)
     with pytest.raises(
         ValueError,
-        match=r"advantage at 'advantage' is NaN, infinite or padding at \d+ valid "
-        r"token\(s\), in batch row\(s\) \[3\]",
+        match=r"advantage at 'advantage' is NaN or infinite in batch row\(s\) \[3\]",
     ):
         loss_cls(actor)(make_batch(kind, rows))
 
 
-def test_infinite_advantage_on_an_empty_row_is_unused():
-    """Row 2 has no response token: its advantage never enters the loss."""
+@pytest.mark.parametrize("kind", ["lazy", "dense"])
+def test_infinite_sequence_advantage_raises_even_on_an_empty_row(kind):
+    """One advantage per sequence must be finite on every row, response or not."""
     actor = BigramActor()
     advantages = torch.tensor([1.0, -1.0, math.inf, 0.2, 2.0, -0.3], dtype=torch.float64)
     rows = make_rows(actor=actor, advantages=advantages, noise=0.01)
-    assert DEFAULT_SHAPES[2][1] == 0
-    out = GSPOLoss(actor, clip_epsilon=(0.5, 0.5))(lazy_batch(rows))
-    assert out.loss_objective.isfinite()
-    close(out.loss_objective, oracle(actor, rows, eps=(0.5, 0.5)))
+    assert DEFAULT_SHAPES[2][1] == 0  # row 2 has no response token
+    with pytest.raises(
+        ValueError, match=r"advantage at 'advantage' is NaN or infinite in batch row\(s\) \[2\]"
+    ):
+        GSPOLoss(actor)(make_batch(kind, rows))
 
 
 @pytest.mark.parametrize("loss_cls", LOSSES)

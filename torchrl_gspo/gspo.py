@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from tensordict import LazyStackedTensorDict, TensorDictBase
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 from tensordict.utils import NestedKey
 from torch import distributions as d
 from torchrl.modules.llm import LLMWrapperBase
@@ -21,14 +21,16 @@ from torchrl.objectives.llm.grpo import GRPOLoss, LLMLossOutput
 
 __all__ = ["GSPOLoss", "GSPOLossOutput", "GSPOTokenLoss", "GSPOTokenLossOutput"]
 
-# Private key, set on the loss' own shallow copy of the input: True where the
-# (left-aligned) advantage holds a finite value, False where it is padding or not finite.
-_ADVANTAGE_HAS_VALUE = "_gspo_advantage_has_value"
-# Private key, set on the same copy: the call's diagnostics buffer, [B, n], created by
-# forward and filled in place by _log_weight (its first row), so that the diagnostics
-# travel with the call and nothing is stored on the module between the two methods. A
-# lazily stacked batch gives each row a view of its row of the buffer.
-_DIAGNOSTICS_BUFFER = "_gspo_diagnostics"
+# Private entries, set together (one write) on the loss' own shallow copy of the input:
+# - the call's statistics buffer, [B, n], created by forward and filled in place by
+#   _log_weight (its first row), so that the diagnostics travel with the call and
+#   nothing is stored on the module between the two methods (a lazily stacked batch
+#   gives each row a view of its row of the buffer);
+# - where the (left-aligned) advantage holds a finite value: [B] for one advantage per
+#   sequence, [B, T] per token (False on padding).
+_PRIVATE = "_gspo"
+_STATISTICS = "statistics"
+_HAS_VALUE = "has_value"
 _DIAGNOSTICS = (
     "clip_fraction",
     "clip_fraction_low",
@@ -48,12 +50,13 @@ _ROLLOUT_DIAGNOSTICS = (
     "rollout_correction_weight",
 )
 # The diagnostics are computed from sufficient statistics, per call: sums (which add up
-# over micro-batches and ranks) and maxima. Sums: valid tokens, tokens of sequences below
-# and above the clip range, non-empty sequences, clipped sequences, sum of log s_i; then,
-# when decoupled, sum of |log rho_bar_i|, sequences outside the clip range, corrected
-# sequences, sum of weights, sum of the k3 terms. Maxima: max |log s_i|, logsumexp of
-# log s_i and of 2 log s_i (the ESS); then, when decoupled, max |log rho_bar_i|.
-_N_SUMS, _N_MAXIMA = 6, 3
+# over micro-batches and ranks) and maxima. Sums: tokens and sum of log s_i over the
+# non-empty sequences, over those below the clip range and over those above it, then
+# the counts of these three sets of sequences; then, when decoupled, sum of
+# |log rho_bar_i|, sequences outside the clip range, corrected sequences, sum of
+# weights, sum of the k3 terms. Maxima: max |log s_i|, logsumexp of log s_i and of
+# 2 log s_i (the ESS); then, when decoupled, max |log rho_bar_i|.
+_N_SUMS, _N_MAXIMA = 9, 3
 _N_ROLLOUT_SUMS, _N_ROLLOUT_MAXIMA = 5, 1
 # Private keys of the decoupled mode, on the loss' own copy: the rollout log-probs
 # (moved away from sample_log_prob, which then holds the old ones) and the per-sequence
@@ -89,7 +92,8 @@ def _diagnostics(sums: torch.Tensor, maxima: torch.Tensor) -> dict[str, torch.Te
     The same formulas serve one call (local statistics) and a data-parallel step
     (statistics reduced over ranks by :func:`~torchrl_gspo.all_reduce_diagnostics`).
     """
-    n_tokens, low_tokens, high_tokens, n_seq, clipped, total = sums[:_N_SUMS].unbind()
+    # token and log s sums of the non-empty, below and above sequences; their counts
+    n_tokens, total, low_tokens, _, high_tokens, _, n_seq, n_low, n_high = sums[:_N_SUMS].unbind()
     max_abs, lse, lse_squares = maxima[:_N_MAXIMA].unbind()
     n_tokens, n_seq = n_tokens.clamp_min(1), n_seq.clamp_min(1)
     clip_low, clip_high = low_tokens / n_tokens, high_tokens / n_tokens
@@ -97,7 +101,7 @@ def _diagnostics(sums: torch.Tensor, maxima: torch.Tensor) -> dict[str, torch.Te
         "clip_fraction": clip_low + clip_high,
         "clip_fraction_low": clip_low,
         "clip_fraction_high": clip_high,
-        "sequence_clip_fraction": clipped / n_seq,
+        "sequence_clip_fraction": (n_low + n_high) / n_seq,
         # (sum s)^2 / (N sum s^2); 0 when no sequence has a positive weight
         "ESS": (2 * lse - lse_squares).exp().nan_to_num(0.0) / n_seq,
         "sequence_log_ratio": total / n_seq,
@@ -199,20 +203,27 @@ def _checked_rollout_threshold(correction, form, threshold) -> tuple[float, floa
     return low, high
 
 
-def _lazy_rows(tensordict: TensorDictBase, key: NestedKey) -> list[torch.Tensor] | None:
-    """The per-row tensors at ``key`` of a batch lazily stacked along dim 0, else None."""
+def _rows(tensordict: TensorDictBase) -> list[TensorDictBase] | None:
+    """The rows of a batch lazily stacked along dim 0, else None."""
     if isinstance(tensordict, LazyStackedTensorDict) and tensordict.stack_dim == 0:
-        return tensordict.get(key, as_list=True)
+        return tensordict.tensordicts
     return None
 
 
-def _diagnostics_buffer(tensordict: TensorDictBase) -> torch.Tensor | None:
-    """The first row of the call's diagnostics buffer (a view), None outside forward."""
-    if isinstance(tensordict, LazyStackedTensorDict) and tensordict.stack_dim == 0:
-        rows = tensordict.get(_DIAGNOSTICS_BUFFER, None, as_list=True)
-        return None if rows is None else rows[0]
-    buffer = tensordict.get(_DIAGNOSTICS_BUFFER, None)
-    return None if buffer is None else buffer[0]
+def _private(tensordict: TensorDictBase) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The call's statistics buffer (its first row, a view) and where advantages have
+    values; ``(None, None)`` outside forward."""
+    rows = _rows(tensordict)
+    if rows is None:
+        private = tensordict.get(_PRIVATE, None)
+        if private is None:
+            return None, None
+        return private.get(_STATISTICS)[0], private.get(_HAS_VALUE)
+    first = rows[0].get(_PRIVATE, None)
+    if first is None:
+        return None, None
+    has_value = torch.stack([row.get((_PRIVATE, _HAS_VALUE)) for row in rows])
+    return first.get(_STATISTICS), has_value
 
 
 def _left_pad(rows: list[torch.Tensor], value: float) -> torch.Tensor:
@@ -633,74 +644,87 @@ class GSPOLoss(GRPOLoss):
         n_sums = _N_SUMS
         if statistics.numel() > _N_SUMS + _N_MAXIMA:  # decoupled: recomputed old log-probs
             n_sums += _N_ROLLOUT_SUMS
-        out.diagnostics_sum, out.diagnostics_max = statistics[:n_sums], statistics[n_sums:]
-        for name, value in _diagnostics(out.diagnostics_sum, out.diagnostics_max).items():
+        sums, maxima = statistics[:n_sums], statistics[n_sums:]
+        out.diagnostics_sum, out.diagnostics_max = sums, maxima
+        for name, value in _diagnostics(sums, maxima).items():
             setattr(out, name, value)
         return out
 
     def _prepare_input(self, tensordict: TensorDictBase) -> tuple[TensorDictBase, torch.Tensor]:
-        """Validates the inputs; returns a shallow copy and the call's diagnostics buffer.
+        """Validates the inputs; returns a shallow copy and the call's statistics buffer.
 
-        Ragged advantages are read left-padded, like the log-probabilities, so that
-        each value lines up with the token it belongs to; padding is recorded under
-        a private key and replaced by 0. The copy also carries the (empty)
-        diagnostics buffer, which :meth:`_log_weight` fills.
+        Every input is read once. Advantages that need it are aligned (ragged rows
+        read left-padded, like the log-probabilities, so that each value lines up
+        with its token; integers cast; NaN padding replaced by 0) and written on the
+        copy; where a value is missing is recorded under a private key. The copy
+        also carries the (empty) statistics buffer, which :meth:`_log_weight` fills.
         """
         keys = self.tensor_keys
         name = type(self).__name__
-        present = tensordict.keys(include_nested=True)
-        # The exception types and leading words are GRPOLoss' own.
-        if keys.action not in present:
-            raise ValueError(
-                f"Action key {keys.action} not in tensordict. {name} reads the sampled "
-                f"tokens there; write them, or point the loss at their key with "
-                "loss.set_keys(action=...)."
-            )
-        if keys.advantage not in present:
-            raise ValueError(
-                f"Advantage key {keys.advantage} not in tensordict. {name} reads one "
-                "advantage per sequence there (e.g. from MCAdvantage); write it, or point "
-                "the loss at its key with loss.set_keys(advantage=...)."
-            )
-        if keys.sample_log_prob not in present:
-            raise KeyError(
-                f"Couldn't find the log-prob {keys.sample_log_prob} in the input data. "
-                f"{name} reads the old (sampling) log-probabilities there, one per token; "
-                "write them, or point the loss at their key with "
-                "loss.set_keys(sample_log_prob=...)."
-            )
         if tensordict.batch_dims != 1:
             raise ValueError(
                 f"{name}: the batch has shape {tuple(tensordict.batch_size)}; the loss "
                 "expects one batch dimension, [B, T]. Flatten the batch first, e.g. "
                 "tensordict.reshape(-1)."
             )
-        if tensordict.batch_size[0] == 0:
+        rows = _rows(tensordict)
+
+        def read(key: NestedKey):
+            if rows is None:
+                return tensordict.get(key, None)
+            values = [row.get(key, None) for row in rows]
+            return None if any(v is None for v in values) else values
+
+        # The exception types and leading words are GRPOLoss' own.
+        tokens = read(keys.action)
+        if tokens is None:
+            raise ValueError(
+                f"Action key {keys.action} not in tensordict. {name} reads the sampled "
+                f"tokens there; write them, or point the loss at their key with "
+                "loss.set_keys(action=...)."
+            )
+        advantage = read(keys.advantage)
+        if advantage is None:
+            raise ValueError(
+                f"Advantage key {keys.advantage} not in tensordict. {name} reads one "
+                "advantage per sequence there (e.g. from MCAdvantage); write it, or point "
+                "the loss at its key with loss.set_keys(advantage=...)."
+            )
+        log_prob = read(keys.sample_log_prob)
+        if log_prob is None:
+            raise KeyError(
+                f"Couldn't find the log-prob {keys.sample_log_prob} in the input data. "
+                f"{name} reads the old (sampling) log-probabilities there, one per token; "
+                "write them, or point the loss at their key with "
+                "loss.set_keys(sample_log_prob=...)."
+            )
+        batch = tensordict.batch_size[0]
+        if batch == 0:
             raise ValueError(
                 f"{name}: the batch is empty (batch size 0), so there is no sequence to "
                 "optimise: skip the optimisation step. (Rows with no response token are "
                 "fine: they contribute 0 to the loss.)"
             )
-        token_rows = _lazy_rows(tensordict, keys.action)
-        if token_rows is None:
-            tokens = tensordict.get(keys.action)
-            lengths = None
+        if rows is None:
+            shapes, lengths = None, None
+            bad_shape = tokens.ndim != 2
         else:
-            tokens = None
-            lengths = [row.shape[0] for row in token_rows]
-        if (tokens is not None and tokens.ndim != 2) or (
-            token_rows is not None and any(row.ndim != 1 for row in token_rows)
-        ):
-            shape = tokens.shape if tokens is not None else [r.shape for r in token_rows]
+            shapes = [row.shape for row in tokens]
+            lengths = [shape[0] if len(shape) == 1 else -1 for shape in shapes]
+            bad_shape = min(lengths) < 0
+        if bad_shape:
+            shape = tokens.shape if rows is None else shapes
             raise ValueError(
                 f"{name}: the tokens at {keys.action!r} have shape {tuple(shape)}; the loss "
                 "expects one batch dimension, [B, T]. Flatten the batch first, e.g. "
                 "tensordict.reshape(-1)."
             )
-        self._check_log_probs(tensordict, keys.sample_log_prob, tokens, lengths)
-        decoupled = keys.old_log_prob != keys.sample_log_prob and keys.old_log_prob in present
-        if decoupled:
-            self._check_log_probs(tensordict, keys.old_log_prob, tokens, lengths)
+        self._check_log_probs(keys.sample_log_prob, log_prob, tokens, lengths)
+        old = None
+        if keys.old_log_prob != keys.sample_log_prob:
+            old = read(keys.old_log_prob)
+        if old is not None:
+            self._check_log_probs(keys.old_log_prob, old, tokens, lengths)
         elif self.rollout_correction is not None:
             raise KeyError(
                 f"{name}: rollout_correction={self.rollout_correction!r} needs the "
@@ -709,31 +733,34 @@ class GSPOLoss(GRPOLoss):
                 "RecomputeOldLogProbs(policy) as the collector's postproc, or point the "
                 "loss at their key with loss.set_keys(old_log_prob=...)."
             )
-        seq_len = tokens.shape[-1] if tokens is not None else max(lengths)
-        advantage = self._read_advantage(tensordict, seq_len)
-        has_value = advantage.isfinite()
+        seq_len = tokens.shape[-1] if rows is None else max(lengths)
+        advantage, aligned = self._read_advantage(advantage, batch, seq_len)
+        scale = read(keys.sequence_scale)
+        if scale is not None:
+            scale = self._check_sequence_scale(scale, batch)
+        decoupled = old is not None
         n_statistics = _N_SUMS + _N_MAXIMA + decoupled * (_N_ROLLOUT_SUMS + _N_ROLLOUT_MAXIMA)
-        diagnostics = advantage.new_zeros(
-            (advantage.shape[0], n_statistics),
-            dtype=torch.promote_types(advantage.dtype, torch.float32),
+        statistics = advantage.new_zeros(
+            (batch, n_statistics), dtype=torch.promote_types(advantage.dtype, torch.float32)
         )
-        scale = None
-        if keys.sequence_scale in present:
-            scale = self._read_sequence_scale(tensordict, advantage.shape[0])
+        has_value = advantage.isfinite().squeeze(-1)  # [B, T], or [B] for one per sequence
+        if has_value.shape[-1] == 1:
+            has_value = has_value.squeeze(-1)
         tensordict = tensordict.copy()
         if decoupled:
             # The ratio reads sample_log_prob: give it the old log-probs, and keep the
             # rollout ones for the correction, the diagnostics and the KL to inference.
             tensordict.rename_key_(keys.sample_log_prob, _ROLLOUT_LOG_PROB)
             tensordict.rename_key_(keys.old_log_prob, keys.sample_log_prob)
-        tensordict.set(keys.advantage, torch.where(has_value, advantage, 0.0))
-        tensordict.set(_ADVANTAGE_HAS_VALUE, has_value.squeeze(-1))
-        tensordict.set(_DIAGNOSTICS_BUFFER, diagnostics)
+        if aligned:
+            tensordict.set(keys.advantage, torch.where(advantage.isfinite(), advantage, 0.0))
+        private = {_STATISTICS: statistics, _HAS_VALUE: has_value}
+        tensordict.set(_PRIVATE, TensorDict(private, batch_size=[batch]))
         if scale is not None:
-            tensordict.set(_SEQUENCE_SCALE, scale * scale.shape[0])
-        return tensordict, diagnostics[0]
+            tensordict.set(_SEQUENCE_SCALE, scale * batch)
+        return tensordict, statistics[0]
 
-    def _read_sequence_scale(self, tensordict: TensorDictBase, batch: int) -> torch.Tensor:
+    def _check_sequence_scale(self, scale, batch: int) -> torch.Tensor:
         """The per-sequence scale of the global normalisation, ``[B]``."""
         name, key = type(self).__name__, self.tensor_keys.sequence_scale
         if self.aggregation != "prompt_mean" or self.reduction == "none":
@@ -743,8 +770,8 @@ class GSPOLoss(GRPOLoss):
                 f"aggregation='prompt_mean'; got aggregation={self.aggregation!r}, "
                 f"reduction={self.reduction!r}. Use aggregation='prompt_mean'."
             )
-        rows = _lazy_rows(tensordict, key)
-        scale = tensordict.get(key) if rows is None else torch.stack([r.reshape(-1) for r in rows])
+        if isinstance(scale, list):
+            scale = torch.stack([value.reshape(-1) for value in scale])
         if scale.numel() != batch or scale.requires_grad:
             raise ValueError(
                 f"{name}: the sequence scale at {key!r} has shape {tuple(scale.shape)}; "
@@ -763,37 +790,36 @@ class GSPOLoss(GRPOLoss):
 
     def _check_log_probs(
         self,
-        tensordict: TensorDictBase,
         key: NestedKey,
-        tokens: torch.Tensor | None,
+        log_prob: torch.Tensor | list[torch.Tensor],
+        tokens: torch.Tensor | list[torch.Tensor],
         lengths: list[int] | None,
     ) -> None:
         """Log-probabilities must be constants with one value per token of each row."""
         name = type(self).__name__
         action_key = self.tensor_keys.action
-        rows = _lazy_rows(tensordict, key)
-        if rows is None:
-            log_prob = tensordict.get(key)
+        if lengths is None:
             requires_grad = log_prob.requires_grad
-            if tokens is None or log_prob.shape != tokens.shape:
-                expected = tuple(tokens.shape) if tokens is not None else "[B, T]"
+            if log_prob.shape != tokens.shape:
                 raise ValueError(
                     f"{name}: the log-probabilities at {key!r} have shape "
                     f"{tuple(log_prob.shape)} but the tokens at {action_key!r} have shape "
-                    f"{expected} (both read left-padded). Store one log-probability per "
-                    "token, of shape [B, T], e.g. from a no-grad forward of the training "
-                    "wrapper (return_log_probs=True)."
+                    f"{tuple(tokens.shape)} (both read left-padded). Store one "
+                    "log-probability per token, of shape [B, T], e.g. from a no-grad "
+                    "forward of the training wrapper (return_log_probs=True)."
                 )
         else:
-            requires_grad = any(row.requires_grad for row in rows)
+            requires_grad = any(row.requires_grad for row in log_prob)
             wrong = [
-                i for i, (row, n) in enumerate(zip(rows, lengths, strict=True)) if row.shape != (n,)
+                i
+                for i, (row, n) in enumerate(zip(log_prob, lengths, strict=True))
+                if row.shape != (n,)
             ]
             if wrong:
                 raise ValueError(
                     f"{name}: the log-probabilities at {key!r} do not have one value per "
                     f"token in batch row(s) {wrong}: shapes "
-                    f"{[tuple(rows[i].shape) for i in wrong]} vs token lengths "
+                    f"{[tuple(log_prob[i].shape) for i in wrong]} vs token lengths "
                     f"{[lengths[i] for i in wrong]} at {action_key!r}. A shorter row would "
                     "be padded with a finite value that silently enters the loss. Known "
                     "cause: log-probabilities from a wrapper with pad_output=True, padded "
@@ -808,22 +834,30 @@ class GSPOLoss(GRPOLoss):
                 ".detach()."
             )
 
-    def _read_advantage(self, tensordict: TensorDictBase, seq_len: int) -> torch.Tensor:
-        """The advantage, left-aligned with the tokens; NaN where a row has no value."""
+    def _read_advantage(
+        self, advantage: torch.Tensor | list[torch.Tensor], batch: int, seq_len: int
+    ) -> tuple[torch.Tensor, bool]:
+        """The advantage ``[B, 1, 1]`` or ``[B, T, 1]``, left-aligned with the tokens.
+
+        NaN where a row has no value. Also returns whether it differs from what
+        GRPOLoss would read (so that it must be written on the loss' copy).
+        """
         name = type(self).__name__
         key = self.tensor_keys.advantage
-        batch = tensordict.batch_size[0]
-        rows = _lazy_rows(tensordict, key)
-        if rows is None:
-            advantage = tensordict.get(key)
-        elif all(row.ndim >= 1 for row in rows):
-            # Integer rows are cast before the NaN padding, which they cannot hold.
-            dtype = torch.get_default_dtype()
-            advantage = _left_pad(
-                [row if row.is_floating_point() else row.to(dtype) for row in rows], math.nan
-            )
-        else:
-            advantage = None
+        rows = advantage if isinstance(advantage, list) else None
+        aligned = False
+        if rows is not None:
+            if all(row.shape == (1, 1) and row.is_floating_point() for row in rows):
+                advantage = torch.stack(rows)  # as GRPOLoss reads them
+            elif all(row.ndim >= 1 for row in rows):
+                # Integer rows are cast before the NaN padding, which they cannot hold.
+                dtype = torch.get_default_dtype()
+                advantage = _left_pad(
+                    [row if row.is_floating_point() else row.to(dtype) for row in rows], math.nan
+                )
+                aligned = True
+            else:
+                advantage = None
         if advantage is not None and advantage.requires_grad:
             raise RuntimeError(
                 f"{name}: the advantage at {key!r} requires grad, so the loss would "
@@ -847,77 +881,98 @@ class GSPOLoss(GRPOLoss):
             )
         if not advantage.is_floating_point():
             advantage = advantage.to(torch.get_default_dtype())
+            aligned = True
         if 1 < advantage.shape[-2] < seq_len:
             # Rows shorter than the tokens (e.g. response-only) end with them.
             pad = advantage.new_full((batch, seq_len - advantage.shape[-2], 1), math.nan)
             advantage = torch.cat([pad, advantage], dim=-2)
-        return advantage
+        # Per-token advantages hold NaN padding, which must not reach GRPOLoss.
+        return advantage, aligned or advantage.shape[-2] > 1
 
     def _loss_mask(
-        self,
-        tensordict: TensorDictBase,
-        valid: torch.Tensor,
-        mask: torch.Tensor,
-        rollout: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """GSPO's input rules on the mask of GRPOLoss; raises on bad input.
+        self, valid: torch.Tensor, mask: torch.Tensor, rollout: torch.Tensor | None
+    ) -> tuple[torch.Tensor, bool]:
+        """The loss mask from GRPOLoss' (``valid`` where the old log-prob is finite).
 
-        ``valid`` is the actor's mask for the masking strategy, ``mask`` GRPOLoss'
-        (``valid`` where the old log-probability is finite), ``rollout`` the rollout
-        log-probabilities when the old ones were recomputed (else None).
+        Also returns whether it differs from GRPOLoss' mask.
         """
-        kept = mask if rollout is None else mask & rollout.isfinite()
-        # Valid tokens whose old (or rollout) log-probability is not finite: legitimate
-        # only on the prompt, before a row's first finite value (where vLLM writes NaN).
-        # The "sft" mask holds no prompt token, so there they are always an error.
-        bad_old = valid & ~mask
-        bad_rollout = valid & ~kept & mask
-        if self.masking_strategy != "sft":
-            after_first = kept.cumsum(-1) > 0
-            bad_old, bad_rollout = bad_old & after_first, bad_rollout & after_first
-        mask = kept
+        changed = False
+        if rollout is not None:
+            mask = mask & rollout.isfinite()
+            changed = True
         if self.masking_strategy == "generic":
             # The first attended token has no context, hence no log-prob: TorchRL's
             # wrapper writes 0 for it in its log-prob output and a placeholder on its
             # logits path. Never score it.
             mask = mask & (valid.cumsum(-1) != 1)
-        current = tensordict.get("_cur_log_prob")
-        bad_current = mask & (current.isnan() | (current == math.inf))
-        advantage = tensordict.get(self.tensor_keys.advantage).squeeze(-1)
-        uncovered = mask & ~tensordict.get(_ADVANTAGE_HAS_VALUE)
-        varying = torch.zeros_like(mask[..., 0])
-        if self._sequence_advantage and advantage.shape[-1] > 1:
-            inf = torch.finfo(advantage.dtype).max
-            high = torch.where(mask, advantage, -inf).amax(-1)
-            low = torch.where(mask, advantage, inf).amin(-1)
-            varying = mask.any(-1) & (high != low)
-        problems = bad_old | bad_rollout | bad_current | uncovered
+            changed = True
+        return mask, changed
+
+    def _check_inputs(
+        self,
+        tensordict: TensorDictBase,
+        valid: torch.Tensor,
+        base_mask: torch.Tensor,
+        mask: torch.Tensor,
+        rollout: torch.Tensor | None,
+        lengths: torch.Tensor,
+        log_ratio: torch.Tensor,
+        has_value: torch.Tensor,
+    ) -> None:
+        """GSPO's input rules, as one flag per row and one synchronisation.
+
+        Non-finite old or rollout log-probs on a valid token are legitimate only on
+        the prompt, before a row's first finite value (where vLLM writes NaN); the
+        "sft" mask holds no prompt token, so there they are always an error. A NaN
+        or +inf current log-prob makes the sequence log-ratio NaN or +inf. The
+        details are computed only when a rule is broken.
+        """
+        # One flag per row, True when the row is fine.
+        if self.masking_strategy == "sft":  # the mask is then the kept valid tokens
+            ok = valid.sum(-1) == lengths
+        else:
+            kept = base_mask if rollout is None else base_mask & rollout.isfinite()
+            ok = ~(valid & ~kept & (kept.cumsum(-1) > 0)).any(-1)
+        ok = ok & (log_ratio < math.inf)  # False for NaN and +inf
+        if has_value.ndim == 1:  # one advantage per sequence: finite on every row
+            ok = ok & has_value
+        else:
+            ok = ok & ~(mask & ~has_value).any(-1)
+            if self._sequence_advantage:
+                advantage = tensordict.get(self.tensor_keys.advantage).squeeze(-1)
+                inf = torch.finfo(advantage.dtype).max
+                high = torch.where(mask, advantage, -inf).amax(-1)
+                low = torch.where(mask, advantage, inf).amin(-1)
+                ok = ok & ((lengths == 0) | (high == low))
+        response = self._response_mismatch(tensordict, lengths)
+        if response is not None and self.response_mask_check == "raise":
+            ok = ok & ~response
+        problems = ~ok
         if torch.compiler.is_compiling():
             # No data-dependent branch (a graph break) under torch.compile: check in-graph;
             # the eager path below gives the detailed message.
             torch._assert_async(
-                ~(problems.any() | varying.any()),
+                ~problems.any(),
                 f"{type(self).__name__}: invalid input (non-finite old or rollout "
                 "log-probabilities on response tokens, NaN current log-probabilities, or "
                 "advantages that are missing, not finite or varying within a sequence); "
                 "run the loss eagerly for the details.",
             )
-            return mask
-        if problems.any() or varying.any():
-            self._raise_bad_input(
-                bad_old, bad_rollout, bad_current, uncovered, varying, rollout is not None
-            )
-        self._check_response_mask(tensordict, mask)
-        return mask
+            return
+        if problems.any():
+            self._raise_bad_input(tensordict, valid, base_mask, rollout, mask, has_value)
+            self._raise_response_mismatch(tensordict, lengths, response)
+        if response is not None and self.response_mask_check == "warn" and response.any():
+            self._raise_response_mismatch(tensordict, lengths, response)
 
     def _raise_bad_input(
         self,
-        bad_old: torch.Tensor,
-        bad_rollout: torch.Tensor,
-        bad_current: torch.Tensor,
-        uncovered: torch.Tensor,
-        varying: torch.Tensor,
-        decoupled: bool,
+        tensordict: TensorDictBase,
+        valid: torch.Tensor,
+        base_mask: torch.Tensor,
+        rollout: torch.Tensor | None,
+        mask: torch.Tensor,
+        has_value: torch.Tensor,
     ) -> None:
         name = type(self).__name__
         keys = self.tensor_keys
@@ -926,8 +981,13 @@ class GSPOLoss(GRPOLoss):
             rows = bad.any(-1).nonzero().squeeze(-1).tolist()
             return f"{int(bad.sum())} valid token(s), in batch row(s) {rows}"
 
+        kept = base_mask if rollout is None else base_mask & rollout.isfinite()
+        bad_old, bad_rollout = valid & ~base_mask, valid & ~kept & base_mask
+        if self.masking_strategy != "sft":
+            after_first = kept.cumsum(-1) > 0
+            bad_old, bad_rollout = bad_old & after_first, bad_rollout & after_first
         for bad, key, role in (
-            (bad_old, keys.old_log_prob if decoupled else keys.sample_log_prob, "old"),
+            (bad_old, keys.old_log_prob if rollout is not None else keys.sample_log_prob, "old"),
             (bad_rollout, keys.sample_log_prob, "rollout"),
         ):
             if bad.any():
@@ -939,6 +999,8 @@ class GSPOLoss(GRPOLoss):
                     "NaN: before the first finite value of a row, and outside the 'sft' "
                     "mask. Store a finite log-probability for every response token."
                 )
+        current = tensordict.get("_cur_log_prob")
+        bad_current = mask & (current.isnan() | (current == math.inf))
         if bad_current.any():
             raise ValueError(
                 f"{name}: the actor returned NaN or +inf log-probabilities on "
@@ -946,6 +1008,16 @@ class GSPOLoss(GRPOLoss):
                 "model's logits (e.g. for overflow in half precision)."
             )
         key = keys.advantage
+        if has_value.ndim == 1:
+            rows = (~has_value).nonzero().squeeze(-1).tolist()
+            if rows:
+                raise ValueError(
+                    f"{name}: the advantage at {key!r} is NaN or infinite in batch row(s) "
+                    f"{rows}. Every sequence needs a finite advantage (GRPO-style group "
+                    "advantages are finite: check the reward and the group statistics)."
+                )
+            return
+        uncovered = mask & ~has_value
         if uncovered.any():
             raise ValueError(
                 f"{name}: the advantage at {key!r} is NaN, infinite or padding at "
@@ -953,32 +1025,49 @@ class GSPOLoss(GRPOLoss):
                 "advantage; ragged rows are read left-padded, aligned with the end of the "
                 "tokens."
             )
-        raise ValueError(
-            f"{name}: the advantage at {key!r} varies across the valid tokens of batch "
-            f"row(s) {varying.nonzero().squeeze(-1).tolist()}. GSPO needs one advantage "
-            "per sequence; for per-token advantages use GSPOTokenLoss (GSPO-token, paper "
-            "section 4.3)."
-        )
+        advantage = tensordict.get(key).squeeze(-1)
+        inf = torch.finfo(advantage.dtype).max
+        high = torch.where(mask, advantage, -inf).amax(-1)
+        low = torch.where(mask, advantage, inf).amin(-1)
+        varying = mask.any(-1) & (high != low)
+        if varying.any():
+            raise ValueError(
+                f"{name}: the advantage at {key!r} varies across the valid tokens of batch "
+                f"row(s) {varying.nonzero().squeeze(-1).tolist()}. GSPO needs one advantage "
+                "per sequence; for per-token advantages use GSPOTokenLoss (GSPO-token, "
+                "paper section 4.3)."
+            )
 
-    def _check_response_mask(self, tensordict: TensorDictBase, mask: torch.Tensor) -> None:
-        if (
-            self.response_mask_check == "ignore"
-            or self.masking_strategy != "sft"
-            or not isinstance(tensordict, LazyStackedTensorDict)
-            or _RESPONSE_KEY not in tensordict.keys(include_nested=True)
-        ):
+    def _response_mismatch(
+        self, tensordict: TensorDictBase, lengths: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Rows whose "sft" mask count differs from their sampled response's length.
+
+        Checked on lazily stacked batches that carry ``("tokens", "response")``; None
+        when not checked.
+        """
+        rows = _rows(tensordict)
+        if self.response_mask_check == "ignore" or self.masking_strategy != "sft" or rows is None:
+            return None
+        responses = [row.get(_RESPONSE_KEY, None) for row in rows]
+        if any(r is None for r in responses):
+            return None
+        expected = torch.tensor([r.shape[-1] for r in responses], device=lengths.device)
+        return lengths != expected
+
+    def _raise_response_mismatch(
+        self, tensordict: TensorDictBase, lengths: torch.Tensor, wrong: torch.Tensor | None
+    ) -> None:
+        if wrong is None or not wrong.any():
             return
-        responses = tensordict.get(_RESPONSE_KEY, as_list=True)
-        lengths = torch.tensor([r.shape[-1] for r in responses], device=mask.device)
-        counts = mask.sum(-1)
-        wrong = counts != lengths
-        if not wrong.any():
-            return
+        expected = torch.tensor(
+            [row.get(_RESPONSE_KEY).shape[-1] for row in _rows(tensordict)], device=lengths.device
+        )
         rows = wrong.nonzero().squeeze(-1).tolist()
         message = (
             f"{type(self).__name__}: the 'sft' loss mask does not match the sampled "
             f"responses at {_RESPONSE_KEY!r} in batch row(s) {rows}: valid tokens "
-            f"{counts[wrong].tolist()} vs response lengths {lengths[wrong].tolist()}. "
+            f"{lengths[wrong].tolist()} vs response lengths {expected[wrong].tolist()}. "
             "GSPO divides each sequence log-ratio by this count, so those ratios are "
             "wrong. Known cause: a training wrapper with pad_output=True on ragged rows. "
             "Working configuration: TransformersWrapper(input_mode='tokens', "
@@ -987,15 +1076,16 @@ class GSPOLoss(GRPOLoss):
         )
         if self.response_mask_check == "raise":
             raise ValueError(message)
-        warnings.warn(message, UserWarning, stacklevel=5)
+        warnings.warn(message, UserWarning, stacklevel=6)
 
     def _sequence_log_ratio(
-        self, token_log_ratio: torch.Tensor, mask: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Masked mean of the token log-ratios over each sequence.
+        self, token_log_ratio: torch.Tensor, mask: torch.Tensor | None, lengths: torch.Tensor
+    ) -> torch.Tensor:
+        """Masked mean of the token log-ratios over each sequence, ``[B]``.
 
-        Returns the sequence log-ratio (``[B]``, float32 or float64) and the
-        number of valid tokens per sequence (``[B]``).
+        ``token_log_ratio`` is 0 outside GRPOLoss' mask; ``mask`` (None when it is
+        GRPOLoss') removes more. The reduction accumulates in float32 for half
+        precision (float64 stays float64).
         """
         dtype = token_log_ratio.dtype
         if dtype in _HALF_DTYPES:
@@ -1011,26 +1101,26 @@ class GSPOLoss(GRPOLoss):
                 )
                 self._warned_half_precision = True
             dtype = torch.float32
-        lengths = mask.sum(-1)
-        token_log_ratio = torch.where(mask, token_log_ratio.to(dtype), 0.0)
-        return token_log_ratio.sum(-1) / lengths.clamp_min(1).to(dtype), lengths
+        token_log_ratio = token_log_ratio.to(dtype)
+        if mask is not None:
+            token_log_ratio = torch.where(mask, token_log_ratio, 0.0)
+        return token_log_ratio.sum(-1) / lengths.clamp_min(1).to(dtype)
 
     def _sequence_statistics(
-        self, log_ratio: torch.Tensor, lengths: torch.Tensor
+        self, log_ratio: torch.Tensor, lengths: torch.Tensor, bounds: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sums and maxima of the sequence diagnostics (see ``_N_SUMS``)."""
-        low, high = self._clip_bounds
-        nonempty = lengths > 0
+        """The sums and maxima of the sequence diagnostics (layout: ``_diagnostics``)."""
+        low, high = bounds
         tokens = lengths.to(log_ratio.dtype)
-        below = (log_ratio < low) & nonempty
-        above = (log_ratio > high) & nonempty
-        masked = torch.where(nonempty, log_ratio, 0.0)
-        sums = torch.stack(
-            [tokens, tokens * below, tokens * above, nonempty, below | above, masked]
-        ).sum(-1)
+        nonempty = lengths > 0
+        masked = torch.where(nonempty, log_ratio, 0.0)  # 0 lies inside the clip range
+        # rows: non-empty, below the clip range, above it
+        indicators = torch.stack([nonempty, masked < low, masked > high]).to(log_ratio.dtype)
+        weighted = indicators @ torch.stack([tokens, masked], -1)  # [3, (tokens, log s)]
+        sums = torch.cat([weighted.flatten(), indicators.sum(-1)])
         weights = torch.where(nonempty, log_ratio, -math.inf)
         lse = torch.stack([weights, 2 * weights]).logsumexp(-1)
-        return sums, torch.cat([masked.abs().amax().unsqueeze(0), lse])
+        return sums, torch.cat([masked.abs().amax(0, keepdim=True), lse])
 
     def _rollout_correction(
         self,
@@ -1039,6 +1129,7 @@ class GSPOLoss(GRPOLoss):
         mask: torch.Tensor,
         lengths: torch.Tensor,
         dtype: torch.dtype,
+        bounds: tuple[torch.Tensor, ...],
     ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """Per-sequence rollout-to-old ratio: the correction weights and statistics.
 
@@ -1066,7 +1157,7 @@ class GSPOLoss(GRPOLoss):
                 log_low = math.log(low) if low > 0 else -math.inf
                 inside = (log_ratio >= log_low) & (log_ratio <= math.log(high))
                 weight, corrected = inside.to(dtype), ~inside
-        clip_low, clip_high = self._clip_bounds
+        clip_low, clip_high = bounds
         outside = (geometric < clip_low) | (geometric > clip_high)
         abs_geometric = torch.where(nonempty, geometric.abs(), 0.0)
         sums = torch.stack(
@@ -1084,29 +1175,43 @@ class GSPOLoss(GRPOLoss):
     def _log_weight(
         self, tensordict: TensorDictBase, adv_shape: torch.Size
     ) -> tuple[torch.Tensor, d.Distribution, torch.Tensor, torch.Tensor]:
-        token_log_weight, dist, kl_approx, mask = super()._log_weight(tensordict, adv_shape)
-        # Present only when the old log-probs were recomputed (decoupled mode).
-        rollout = tensordict.get(
-            _ROLLOUT_LOG_PROB, None, as_padded_tensor=True, padding_side="left", padding_value=0.0
+        token_log_weight, dist, kl_approx, base_mask = super()._log_weight(tensordict, adv_shape)
+        statistics, has_value = _private(tensordict)
+        # A longer buffer means the old log-probs were recomputed (decoupled mode).
+        decoupled = statistics is not None and statistics.numel() > _N_SUMS + _N_MAXIMA
+        rollout = None
+        if decoupled:
+            rollout = tensordict.get(
+                _ROLLOUT_LOG_PROB, as_padded_tensor=True, padding_side="left", padding_value=0.0
+            )
+        valid = dist.mask
+        mask, changed = self._loss_mask(valid, base_mask, rollout)
+        lengths = mask.sum(-1)
+        log_ratio = self._sequence_log_ratio(
+            token_log_weight.squeeze(-1), mask if changed else None, lengths
         )
-        mask = self._loss_mask(tensordict, dist.mask, mask, rollout)
-        log_ratio, lengths = self._sequence_log_ratio(token_log_weight.squeeze(-1), mask)
-        buffer = _diagnostics_buffer(tensordict)
-        if buffer is not None:  # None when called outside forward
-            sums, maxima = self._sequence_statistics(log_ratio.detach(), lengths)
-            if rollout is not None:
+        if has_value is not None:  # None when called outside forward
+            self._check_inputs(
+                tensordict, valid, base_mask, mask, rollout, lengths, log_ratio, has_value
+            )
+        if statistics is not None:
+            bounds = self._clip_bounds
+            sums, maxima = self._sequence_statistics(log_ratio.detach(), lengths, bounds)
+            if decoupled:
                 weight, rollout_sums, rollout_maxima = self._rollout_correction(
-                    tensordict, rollout, mask, lengths, log_ratio.dtype
+                    tensordict, rollout, mask, lengths, log_ratio.dtype, bounds
                 )
                 if weight is not None:
                     tensordict.set(_ROLLOUT_WEIGHT, weight)
                 sums = torch.cat([sums, rollout_sums])
                 maxima = torch.cat([maxima, rollout_maxima])
-            buffer.copy_(torch.cat([sums, maxima]))
-        if self.max_log_ratio is not None:
-            log_ratio = log_ratio.clamp(max=self.max_log_ratio)
-        log_weight = torch.where(mask, log_ratio.unsqueeze(-1), 0.0).unsqueeze(-1)
-        kl_approx = torch.where(mask.unsqueeze(-1), kl_approx, 0.0)
+            statistics.copy_(torch.cat([sums, maxima]))
+        # Broadcast over the valid tokens (0 elsewhere); -inf (a sampled token of
+        # probability 0) becomes the lowest float, whose ratio is 0 as well.
+        log_ratio = log_ratio.clamp(min=torch.finfo(log_ratio.dtype).min, max=self.max_log_ratio)
+        log_weight = (log_ratio.unsqueeze(-1) * mask).unsqueeze(-1)
+        if changed:
+            kl_approx = torch.where(mask.unsqueeze(-1), kl_approx, 0.0)
         return log_weight, dist, kl_approx, mask
 
     def _kl_to_ref(self, tensordict: TensorDictBase, key: NestedKey, **kwargs):
@@ -1248,6 +1353,6 @@ class GSPOTokenLoss(GSPOLoss):
         if self.max_log_ratio is not None:
             keep = keep & (log_weight.detach() < self.max_log_ratio)
         # A token of probability 0 (log-prob -inf) gives its sequence ratio 0, hence no
-        # gradient, as in GSPOLoss; -inf - (-inf) would make it NaN.
-        token_grad = torch.where(keep & token.isfinite(), token - token.detach(), 0.0)
+        # gradient, as in GSPOLoss: its -inf - (-inf) = NaN becomes 0, gradient included.
+        token_grad = (token - token.detach()).nan_to_num(0.0) * keep
         return log_weight.detach() + token_grad, dist, kl_approx, mask
