@@ -9,8 +9,9 @@ from __future__ import annotations
 from torchrl_gspo.distributed import GlobalBatchStepper, all_reduce_diagnostics, set_sequence_scale
 from torchrl_gspo.gspo import GSPOLoss, GSPOLossOutput, GSPOTokenLoss, GSPOTokenLossOutput
 from torchrl_gspo.recompute import RecomputeOldLogProbs
+from torchrl_gspo.routing import RecordRoutes, RoutingReplay, routing_volatility
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "GlobalBatchStepper",
@@ -19,7 +20,10 @@ __all__ = [
     "GSPOTokenLoss",
     "GSPOTokenLossOutput",
     "RecomputeOldLogProbs",
+    "RecordRoutes",
+    "RoutingReplay",
     "all_reduce_diagnostics",
+    "routing_volatility",
     "set_sequence_scale",
     "__version__",
 ]

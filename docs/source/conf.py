@@ -182,6 +182,8 @@ _PUBLIC_PATHS = {
     "torch.optim.optimizer.Optimizer": "torch.optim.Optimizer",
     "torchrl.trainers.trainers.OptimizationStepper": "torchrl.trainers.OptimizationStepper",
     "Trainer": "torchrl.trainers.Trainer",
+    "nn.Module": "torch.nn.Module",
+    "torch.nn.modules.module.Module": "torch.nn.Module",
 }
 
 

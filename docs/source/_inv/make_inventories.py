@@ -36,6 +36,8 @@ INVENTORIES: dict[str, tuple[str, str, list[tuple[str, str, str]]]] = {
         "3",
         [
             ("bool", "py:class", "library/functions.html#$"),
+            ("collections.abc.Callable", "py:class", "library/collections.abc.html#$"),
+            ("collections.abc.Iterator", "py:class", "library/collections.abc.html#$"),
             ("collections.abc.Sequence", "py:class", "library/collections.abc.html#$"),
             ("dict", "py:class", "library/stdtypes.html#$"),
             ("float", "py:class", "library/functions.html#$"),
