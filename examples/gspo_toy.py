@@ -76,7 +76,7 @@ import json
 import os
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -285,6 +285,8 @@ def build_pipeline(
     engine_dtype: torch.dtype | None = None,
     trainer_key: str = "old_log_probs",
     loss_kwargs: dict | None = None,
+    model_fn: Callable[[PreTrainedTokenizerFast, int], torch.nn.Module] | None = None,
+    postproc_fn: Callable[[Transform], Transform] | None = None,
 ) -> Pipeline:
     """Environment, collector, replay buffer, loss and trainer for one run.
 
@@ -296,9 +298,11 @@ def build_pipeline(
     old key for GSPOLoss' decoupled mode, another key to leave them unused), and the
     copy takes the trainer's weights after each batch's updates (a state-dict copy:
     TorchRL's weight-sync schemes serve engines in other processes and do not cast).
+    ``model_fn(tokenizer, seed)`` builds another model (``build_model`` by default), and
+    ``postproc_fn`` wraps the collector's postproc (e.g. to record MoE routes).
     """
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, args.seed)
+    model = (model_fn or build_model)(tokenizer, args.seed)
     rank, world = data_parallel()
     stepper = None
     if world > 1:
@@ -318,6 +322,8 @@ def build_pipeline(
             RecomputeOldLogProbs(scoring_wrapper(engine, tokenizer), out_key="log_probs"),
             RecomputeOldLogProbs(policy, out_key=trainer_key),
         )
+    if postproc_fn is not None:
+        postproc = postproc_fn(postproc)
     generator = TransformersWrapper(
         engine,
         tokenizer=tokenizer,
