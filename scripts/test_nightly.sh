@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The test suite against torchrl-nightly and tensordict-nightly (forward compatibility:
+# GSPOLoss overrides GRPOLoss' private _log_weight). Exits with the suite's status.
+# Usage: bash scripts/test_nightly.sh                 # the whole suite
+#        NIGHTLY_TESTS="test/test_gspo.py" bash scripts/test_nightly.sh  # a part of it
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv-nightly
+. .venv-nightly/bin/activate
+python -m pip install --quiet --upgrade pip
+python -m pip install --quiet torch==2.13.0
+python -m pip install --quiet torchrl-nightly tensordict-nightly
+# the package and its test dependencies, without its pins on torchrl / tensordict
+python -m pip install --quiet --no-deps -e .
+python -m pip install --quiet "transformers>=5.16.1" "tokenizers>=0.22" matplotlib tqdm pytest
+python -c "import torchrl, tensordict; print('torchrl', torchrl.__version__, 'tensordict', tensordict.__version__)"
+# shellcheck disable=SC2086
+python -m pytest -q -p no:cacheprovider ${NIGHTLY_TESTS:-}
