@@ -460,3 +460,58 @@ def test_engine_mismatch_example_runs_and_writes_its_files(tmp_path):
     assert summary["gspo-recomputed"]["clip_fraction_first_minibatch_mean"] == 0.0
     assert summary["gspo-corrected"]["correction_fraction_mean"] is not None
     assert (tmp_path / "engine_mismatch.png").stat().st_size > 0
+
+
+def _sample_with_eos_bias(tokenizer, model, max_new_tokens=8):
+    eos = tokenizer.eos_token_id
+    bias = torch.zeros(len(tokenizer))
+    bias[eos] = 3.0  # end early, often
+    handle = model.lm_head.register_forward_hook(lambda module, args, output: output + bias)
+    letters = {tokenizer.convert_tokens_to_ids(c) for c in gspo_toy.LETTERS}
+    banned = [[i] for i in range(len(tokenizer)) if i not in letters | {eos}]
+    generator = TransformersWrapper(
+        model,
+        tokenizer=tokenizer,
+        input_mode="tokens",
+        generate=True,
+        pad_output=False,
+        generate_kwargs={
+            "max_new_tokens": max_new_tokens,
+            "do_sample": True,
+            "bad_words_ids": banned,
+        },
+    )
+    torch.manual_seed(0)
+    prompts = [torch.tensor(tokenizer.encode(f"{c}\n")) for c in "abcdabcd"]
+    with torch.no_grad():
+        out = generator(lazy_stack([TensorDict(tokens=TensorDict(prompt=p)) for p in prompts]))
+    handle.remove()
+    return out.get(("tokens", "response"), as_list=True)
+
+
+def test_pad_token_equal_to_eos_loses_the_sampled_eos():
+    """With pad == EOS, TorchRL drops every sampled EOS from the response (it takes it for
+    padding), so |y_i| misses the last token. A distinct pad token keeps it."""
+    from transformers import PreTrainedTokenizerFast
+
+    base = gspo_toy.build_tokenizer()
+    same = PreTrainedTokenizerFast(
+        tokenizer_object=base.backend_tokenizer,
+        pad_token="<|im_end|>",
+        eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    assert same.pad_token_id == same.eos_token_id
+    responses = _sample_with_eos_bias(same, gspo_toy.build_model(same, seed=0))
+    # rows that stopped before the token budget did sample EOS, yet none holds it
+    assert any(r.numel() < 8 for r in responses)
+    assert not any((r == same.eos_token_id).any() for r in responses)
+
+    # the fix: a distinct pad token (here a new one; a reserved, never-sampled token
+    # of the vocabulary works too), with the model's embeddings resized to it
+    same.add_special_tokens({"pad_token": "<|pad|>"})
+    assert same.pad_token_id != same.eos_token_id
+    model = gspo_toy.build_model(same, seed=0)
+    responses = _sample_with_eos_bias(same, model)
+    stopped = [r for r in responses if r.numel() < 8]
+    assert stopped and all(int(r[-1]) == same.eos_token_id for r in stopped)

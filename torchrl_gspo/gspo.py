@@ -250,13 +250,34 @@ class GSPOLossOutput(LLMLossOutput):
 
 # Building a tensorclass replaces the class docstring with the generated signature;
 # set it afterwards so that help() and the API docs show it.
-GSPOLossOutput.__doc__ = """GSPO loss output.
+GSPOLossOutput.__doc__ = """GSPO loss output: the loss terms, which a trainer sums, and diagnostics.
 
-The fields inherited from :class:`~torchrl.objectives.llm.LLMLossOutput` keep
-their names, but ``clip_fraction`` and ``ESS`` are computed at the sequence
-level (see :class:`GSPOLoss`). All diagnostics are detached 0-dim tensors; none
-of their names starts with ``loss_``, so trainers that sum the ``loss_*``
-entries do not pick them up.
+Every field is a 0-dim tensor (``diagnostics_sum`` and ``diagnostics_max`` are
+1-dim); the diagnostics are detached and none of their names starts with
+``loss_``, so trainers that sum the ``loss_*`` entries do not pick them up. A
+field that does not apply is ``None``. ``clip_fraction`` and ``ESS`` keep
+:class:`~torchrl.objectives.llm.LLMLossOutput`'s names but are computed at the
+sequence level. In the formulas, :math:`s_i` is the sequence ratio of response
+:math:`i`, :math:`|y_i|` its number of valid tokens and the means run over the
+non-empty responses of the batch.
+
+What to log, and what healthy values look like with the paper's clip range
+(3e-4, 4e-4) and several minibatch updates per rollout:
+
+- ``loss_objective`` and the reward (the trainer's).
+- ``clip_fraction``: 0 on the first minibatch of a rollout (on-policy), then
+  rising; the paper reports about 0.15 on large models, far more than GRPO's
+  ~0.001. A value close to 1 means the updates are too large for the clip range
+  (learning rate, number of minibatches): later minibatches carry almost no
+  gradient. A value above 0 on the first minibatch means the old log-probs do
+  not match the trainer (see the ``rollout_*`` fields and the troubleshooting
+  page).
+- ``sequence_log_ratio_max_abs``: 0 up to float rounding on the first minibatch;
+  of the order of the clip range afterwards.
+- ``ESS``: close to 1; a drop means a few responses dominate the ratios.
+- ``rollout_outside_clip_fraction`` (with recomputed old log-probs): the share of
+  responses that the inference engine's mismatch alone puts outside the clip
+  range; near 0 is healthy.
 
 The ``rollout_*`` fields are set when the batch holds the trainer's recomputed
 old log-probabilities (the loss' ``old_log_prob`` key) next to the rollout ones
@@ -265,19 +286,39 @@ old log-probabilities (the loss' ``old_log_prob`` key) next to the rollout ones
 - \\log\\pi_\\text{roll})(y_{i,t})` over the non-empty sequences.
 
 Attributes:
-    clip_fraction_low (torch.Tensor): fraction of valid response tokens whose
-        sequence ratio lies below ``1 - eps_low``.
-    clip_fraction_high (torch.Tensor): fraction of valid response tokens whose
-        sequence ratio lies above ``1 + eps_high``.
+    loss_objective (torch.Tensor): the clipped objective, negated:
+        :math:`-\\frac{1}{G}\\sum_i \\min(s_i \\hat A_i, \\operatorname{clip}(s_i)
+        \\hat A_i)` with ``aggregation="prompt_mean"``.
+    loss_entropy (torch.Tensor): the entropy bonus, :math:`-` ``entropy_coeff``
+        times the entropy (GRPOLoss'; ``None`` with ``entropy_bonus=False``).
+    loss_kl_to_ref (torch.Tensor): the KL penalty to the reference policy
+        (GRPOLoss'; ``None`` without ``kl_to_ref_coeff``).
+    loss_kl_to_inference (torch.Tensor): the KL penalty to the inference (rollout)
+        policy (GRPOLoss'; ``None`` without ``kl_to_inference_coeff``).
+    clip_fraction (torch.Tensor): fraction of valid response tokens whose
+        *sequence* ratio lies outside ``[1 - eps_low, 1 + eps_high]``: the
+        length-weighted fraction of clipped responses, padding excluded (GRPOLoss'
+        field of the same name is a token fraction over all ``B * T`` positions).
         ``clip_fraction == clip_fraction_low + clip_fraction_high``.
-    sequence_clip_fraction (torch.Tensor): fraction of non-empty sequences whose
-        ratio lies outside ``[1 - eps_low, 1 + eps_high]`` (every sequence
-        weighted equally).
+    clip_fraction_low (torch.Tensor): the part of ``clip_fraction`` below
+        ``1 - eps_low``.
+    clip_fraction_high (torch.Tensor): the part above ``1 + eps_high``.
+    sequence_clip_fraction (torch.Tensor): fraction of responses outside the clip
+        range, every response weighted equally.
+    ESS (torch.Tensor): effective sample size of the sequence weights,
+        :math:`(\\sum_i s_i)^2 / (N \\sum_i s_i^2)`, 1 when all ratios are equal
+        (GRPOLoss': over tokens); 0 when no response has a positive weight.
     sequence_log_ratio (torch.Tensor): mean of the sequence log-ratios
-        :math:`\\log s_i` over non-empty sequences (0 on-policy); :math:`-\\infty`
-        when a sampled token has probability 0 under the current policy.
-    sequence_log_ratio_max_abs (torch.Tensor): largest :math:`|\\log s_i|` over
-        non-empty sequences; :math:`+\\infty` in that same case.
+        :math:`\\log s_i` (0 on-policy); :math:`-\\infty` when a sampled token has
+        probability 0 under the current policy.
+    sequence_log_ratio_max_abs (torch.Tensor): largest :math:`|\\log s_i|`;
+        :math:`+\\infty` in that same case.
+    kl_approx (torch.Tensor): GRPOLoss' estimate, the mean over all positions of
+        the old minus the current log-probabilities (0 outside the loss mask).
+    entropy (torch.Tensor): GRPOLoss' mean entropy of the current policy
+        (``None`` with ``entropy_bonus=False``).
+    kl_to_ref (torch.Tensor): GRPOLoss' KL estimate to the reference policy.
+    kl_to_inference (torch.Tensor): GRPOLoss' KL estimate to the inference policy.
     rollout_log_ratio_mean_abs (torch.Tensor): mean :math:`|\\log\\bar\\rho_i|`,
         the engine mismatch per token of a sequence. Compare it with the clip
         range: :math:`\\log(1 + \\epsilon_\\text{high}) \\approx 4 \\cdot 10^{-4}`
@@ -331,11 +372,11 @@ class GSPOLoss(GRPOLoss):
     .. math::
 
         J(\theta) = \mathbb{E}\Big[\frac{1}{G} \sum_{i=1}^{G}
-            \min\big(s_i A_i,\ \text{clip}(s_i, 1 - \epsilon_\text{low},
-            1 + \epsilon_\text{high}) A_i\big)\Big],
+            \min\big(s_i \hat A_i,\ \text{clip}(s_i, 1 - \epsilon_\text{low},
+            1 + \epsilon_\text{high}) \hat A_i\big)\Big],
 
     whose unclipped gradient weights every token of a response equally:
-    :math:`s_i A_i \frac{1}{|y_i|} \sum_t \nabla_\theta \log \pi_\theta(y_{i,t})`
+    :math:`s_i \hat A_i \frac{1}{|y_i|} \sum_t \nabla_\theta \log \pi_\theta(y_{i,t})`
     (Eq. 10). :math:`|y_i|` counts the valid (unmasked) tokens, clamped to at
     least 1; the masked-mean form of the ratio follows Hugging Face TRL's
     ``importance_sampling_level="sequence"`` (Apache-2.0).
@@ -1266,7 +1307,7 @@ Examples:
 class GSPOTokenLoss(GSPOLoss):
     r"""GSPO-token: GSPO's sequence ratio with one advantage per token (paper §4.3).
 
-    For per-token advantages :math:`A_{i,t}` (multi-turn, tool use, process
+    For per-token advantages :math:`\hat A_{i,t}` (multi-turn, tool use, process
     rewards), GSPO-token (Zheng et al., 2025,
     `arXiv:2507.18071 <https://arxiv.org/abs/2507.18071>`_, Eqs. 13-17) gives every
     valid token the importance weight
@@ -1280,19 +1321,19 @@ class GSPOTokenLoss(GSPOLoss):
     where :math:`\text{sg}` stops the gradient and :math:`s_i` is
     :class:`GSPOLoss`' sequence ratio. Its value is exactly :math:`s_i`, so the
     clipping decision is made per sequence value and per token sign of
-    :math:`A_{i,t}`, and the objective
+    :math:`\hat A_{i,t}`, and the objective
 
     .. math::
 
         J(\theta) = \mathbb{E}\Big[\frac{1}{G} \sum_{i=1}^{G} \frac{1}{|y_i|}
-            \sum_{t=1}^{|y_i|} \min\big(s_{i,t} A_{i,t},\ \text{clip}(s_{i,t},
-            1 - \epsilon_\text{low}, 1 + \epsilon_\text{high}) A_{i,t}\big)\Big]
+            \sum_{t=1}^{|y_i|} \min\big(s_{i,t} \hat A_{i,t},\ \text{clip}(s_{i,t},
+            1 - \epsilon_\text{low}, 1 + \epsilon_\text{high}) \hat A_{i,t}\big)\Big]
 
     has, where nothing is clipped, the gradient (Eq. 17)
-    :math:`\frac{1}{G} \sum_i s_i \frac{1}{|y_i|} \sum_t A_{i,t} \nabla_\theta
+    :math:`\frac{1}{G} \sum_i s_i \frac{1}{|y_i|} \sum_t \hat A_{i,t} \nabla_\theta
     \log \pi_\theta(y_{i,t})`.
 
-    Equivalence: when :math:`A_{i,t} = A_i` for every token, GSPO-token and
+    Equivalence: when :math:`\hat A_{i,t} = \hat A_i` for every token, GSPO-token and
     :class:`GSPOLoss` are identical in loss value, clipping decision and gradient
     (this is tested). Choose :class:`GSPOLoss` for one reward per response: it
     also checks that the advantages are constant over each sequence. Choose
@@ -1340,6 +1381,19 @@ class GSPOTokenLoss(GSPOLoss):
 
     output_type: type[LLMLossOutput] = GSPOTokenLossOutput
     _sequence_advantage: bool = False
+
+    def forward(self, tensordict: TensorDictBase) -> GSPOTokenLossOutput:
+        """Computes the GSPO-token loss and its sequence-level diagnostics.
+
+        Args:
+            tensordict (TensorDictBase): the batch, as for
+                :class:`~torchrl.objectives.llm.GRPOLoss`, with one advantage per
+                token or per sequence. It is not modified.
+
+        Returns:
+            GSPOTokenLossOutput: the loss terms and diagnostics.
+        """
+        return super().forward(tensordict)
 
     def _log_weight(
         self, tensordict: TensorDictBase, adv_shape: torch.Size

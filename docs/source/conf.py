@@ -51,7 +51,13 @@ extensions = [
     "myst_parser",
     # Copies MathJax 3 into _static/mathjax and points mathjax_path at it.
     "sphinx-mathjax-offline",
+    "sphinx_copybutton",
 ]
+
+# The copy button leaves out the ">>> " / "... " prompts and the output of examples.
+copybutton_prompt_text = r">>> |\.\.\. |\$ "
+copybutton_prompt_is_regexp = True
+copybutton_only_copy_prompt_lines = False
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 master_doc = "index"
@@ -84,17 +90,20 @@ autodoc_typehints = "signature"
 
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
-napoleon_use_ivar = True
+napoleon_use_ivar = False  # one anchor per attribute
 
 # -- intersphinx ---------------------------------------------------------------
 # Links point at the online documentation; the inventories are read from _inv/
 # because the build runs offline.
 
+# TorchRL publishes its docs per release (docs.pytorch.org/rl/<version>/): links go to
+# the 0.14 series this package pins. No versioned tensordict or PyTorch pages were
+# found for the pinned releases: those links go to the stable docs.
 intersphinx_mapping = {
     "python": ("https://docs.python.org/3/", "_inv/python.inv"),
     "torch": ("https://docs.pytorch.org/docs/stable/", "_inv/torch.inv"),
     "tensordict": ("https://docs.pytorch.org/tensordict/stable/", "_inv/tensordict.inv"),
-    "torchrl": ("https://docs.pytorch.org/rl/stable/", "_inv/torchrl.inv"),
+    "torchrl": ("https://docs.pytorch.org/rl/0.14/", "_inv/torchrl.inv"),
 }
 
 # -- MyST (validation.md includes the repository's VALIDATION.md) --------------
@@ -110,7 +119,16 @@ html_static_path = ["_static"]
 html_css_files = ["css/custom.css"]
 html_show_sourcelink = False
 # The user guide pages have no sub-pages: give their width to the text.
-_GUIDE_PAGES = ("index", "getting_started", "math", "migration", "validation")
+_GUIDE_PAGES = (
+    "index",
+    "getting_started",
+    "tutorial",
+    "math",
+    "scaling",
+    "migration",
+    "troubleshooting",
+    "validation",
+)
 html_sidebars = {page: [] for page in _GUIDE_PAGES}
 html_theme_options = {
     "navigation_with_keys": False,
