@@ -97,8 +97,8 @@ napoleon_use_ivar = False  # one anchor per attribute
 # because the build runs offline.
 
 # TorchRL publishes its docs per release (docs.pytorch.org/rl/<version>/): links go to
-# the 0.14 series this package pins. No versioned tensordict or PyTorch pages were
-# found for the pinned releases: those links go to the stable docs.
+# the 0.14 series this package pins. tensordict's docs were found only as "stable",
+# and torch is a range (>= 2.13), not a pin: those links go to the stable docs.
 intersphinx_mapping = {
     "python": ("https://docs.python.org/3/", "_inv/python.inv"),
     "torch": ("https://docs.pytorch.org/docs/stable/", "_inv/torch.inv"),
