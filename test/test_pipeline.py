@@ -32,11 +32,9 @@ engine_mismatch = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(engine_mismatch)
 
 
-@pytest.fixture(scope="module")
-def setup():
-    """Ragged responses sampled in tokens mode, with the example's tokenizer and model."""
-    tokenizer = gspo_toy.build_tokenizer()
-    model = gspo_toy.build_model(tokenizer, seed=0)
+def sample_tokens(tokenizer, model, seed: int):
+    """Samples up to 8 tokens for each of 8 one-letter prompts, in tokens mode, unpadded,
+    restricted to the example's answer letters and end-of-turn token."""
     generator = TransformersWrapper(
         model,
         tokenizer=tokenizer,
@@ -49,10 +47,18 @@ def setup():
             "bad_words_ids": gspo_toy.banned_token_ids(tokenizer),
         },
     )
-    torch.manual_seed(1)
+    torch.manual_seed(seed)
     prompts = [torch.tensor(tokenizer.encode(f"{c}\n")) for c in "abcd" * 2]
     with torch.no_grad():
-        out = generator(lazy_stack([TensorDict(tokens=TensorDict(prompt=p)) for p in prompts]))
+        return generator(lazy_stack([TensorDict(tokens=TensorDict(prompt=p)) for p in prompts]))
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """Ragged responses sampled in tokens mode, with the example's tokenizer and model."""
+    tokenizer = gspo_toy.build_tokenizer()
+    model = gspo_toy.build_model(tokenizer, seed=0)
+    out = sample_tokens(tokenizer, model, seed=1)
     rows = []
     for i, (p, r) in enumerate(
         zip(
@@ -462,29 +468,11 @@ def test_engine_mismatch_example_runs_and_writes_its_files(tmp_path):
     assert (tmp_path / "engine_mismatch.png").stat().st_size > 0
 
 
-def _sample_with_eos_bias(tokenizer, model, max_new_tokens=8):
-    eos = tokenizer.eos_token_id
+def _sample_with_eos_bias(tokenizer, model):
     bias = torch.zeros(len(tokenizer))
-    bias[eos] = 3.0  # end early, often
+    bias[tokenizer.eos_token_id] = 3.0  # end early, often
     handle = model.lm_head.register_forward_hook(lambda module, args, output: output + bias)
-    letters = {tokenizer.convert_tokens_to_ids(c) for c in gspo_toy.LETTERS}
-    banned = [[i] for i in range(len(tokenizer)) if i not in letters | {eos}]
-    generator = TransformersWrapper(
-        model,
-        tokenizer=tokenizer,
-        input_mode="tokens",
-        generate=True,
-        pad_output=False,
-        generate_kwargs={
-            "max_new_tokens": max_new_tokens,
-            "do_sample": True,
-            "bad_words_ids": banned,
-        },
-    )
-    torch.manual_seed(0)
-    prompts = [torch.tensor(tokenizer.encode(f"{c}\n")) for c in "abcdabcd"]
-    with torch.no_grad():
-        out = generator(lazy_stack([TensorDict(tokens=TensorDict(prompt=p)) for p in prompts]))
+    out = sample_tokens(tokenizer, model, seed=0)
     handle.remove()
     return out.get(("tokens", "response"), as_list=True)
 
