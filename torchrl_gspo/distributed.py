@@ -177,7 +177,7 @@ def all_reduce_diagnostics(
     out = output.copy()
     out.diagnostics_sum, out.diagnostics_max = sums, maxima
     for name, value in _diagnostics(sums, maxima).items():
-        setattr(out, name, value)
+        out.set(name, value)
     return out
 
 

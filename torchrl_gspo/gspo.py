@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, lazy_stack
 from tensordict.utils import NestedKey
 from torch import distributions as d
 from torchrl.modules.llm import LLMWrapperBase
@@ -21,11 +21,11 @@ from torchrl.objectives.llm.grpo import GRPOLoss, LLMLossOutput
 
 __all__ = ["GSPOLoss", "GSPOLossOutput", "GSPOTokenLoss", "GSPOTokenLossOutput"]
 
-# Private entries, set together (one write) on the loss' own shallow copy of the input:
-# - the call's statistics buffer, [B, n], created by forward and filled in place by
-#   _log_weight (its first row), so that the diagnostics travel with the call and
-#   nothing is stored on the module between the two methods (a lazily stacked batch
-#   gives each row a view of its row of the buffer);
+# Private entries, set together (one write) on the loss' own shallow copy of the input
+# (of a lazily stacked batch: on a copy of its first row, in a new stack of its rows):
+# - the call's statistics buffer, [B, n] (lazily stacked: [1, n]), created by forward
+#   and filled in place by _log_weight (its first row), so that the diagnostics travel
+#   with the call and nothing is stored on the module between the two methods;
 # - where the (left-aligned) advantage holds a finite value: [B] for one advantage per
 #   sequence, [B, T] per token (False on padding).
 _PRIVATE = "_gspo"
@@ -211,19 +211,13 @@ def _rows(tensordict: TensorDictBase) -> list[TensorDictBase] | None:
 
 
 def _private(tensordict: TensorDictBase) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The call's statistics buffer (its first row, a view) and where advantages have
-    values; ``(None, None)`` outside forward."""
+    """The call's statistics buffer and where advantages have values; ``(None, None)``
+    outside forward."""
     rows = _rows(tensordict)
-    if rows is None:
-        private = tensordict.get(_PRIVATE, None)
-        if private is None:
-            return None, None
-        return private.get(_STATISTICS)[0], private.get(_HAS_VALUE)
-    first = rows[0].get(_PRIVATE, None)
-    if first is None:
+    private = (tensordict if rows is None else rows[0]).get(_PRIVATE, None)
+    if private is None:
         return None, None
-    has_value = torch.stack([row.get((_PRIVATE, _HAS_VALUE)) for row in rows])
-    return first.get(_STATISTICS), has_value
+    return private.get(_STATISTICS)[0], private.get(_HAS_VALUE)
 
 
 def _left_pad(rows: list[torch.Tensor], value: float) -> torch.Tensor:
@@ -381,12 +375,14 @@ class GSPOLoss(GRPOLoss):
     least 1; the masked-mean form of the ratio follows Hugging Face TRL's
     ``importance_sampling_level="sequence"`` (Apache-2.0).
 
-    Only :meth:`_log_weight` differs from :class:`~torchrl.objectives.llm.GRPOLoss`:
-    it reduces the masked token log-ratios to :math:`\log s_i` and broadcasts that
-    value over the valid tokens of the sequence (0 on masked positions), so the
-    clipped surrogate, the masking strategies, the entropy bonus and the KL terms
-    are GRPO's own. With ``aggregation="prompt_mean"`` (per-sequence mean, then
-    mean over sequences) this is exactly Eq. 5.
+    Only the importance weight differs from :class:`~torchrl.objectives.llm.GRPOLoss`:
+    :meth:`_log_weight` reduces the masked token log-ratios to :math:`\log s_i` and
+    broadcasts that value over the sequence, so the clipped surrogate, the masking
+    strategies, the entropy bonus and the KL terms are GRPO's own. With one advantage
+    per sequence, GRPO's surrogate is evaluated once per sequence (shape
+    ``[B, 1, 1]``) rather than once per token: its per-token terms would all be
+    equal. With ``aggregation="prompt_mean"`` (per-sequence mean, then mean over
+    sequences) this is exactly Eq. 5.
 
     Numerical care:
 
@@ -686,9 +682,9 @@ class GSPOLoss(GRPOLoss):
         if statistics.numel() > _N_SUMS + _N_MAXIMA:  # decoupled: recomputed old log-probs
             n_sums += _N_ROLLOUT_SUMS
         sums, maxima = statistics[:n_sums], statistics[n_sums:]
-        out.diagnostics_sum, out.diagnostics_max = sums, maxima
-        for name, value in _diagnostics(sums, maxima).items():
-            setattr(out, name, value)
+        diagnostics = {"diagnostics_sum": sums, "diagnostics_max": maxima}
+        for name, value in {**diagnostics, **_diagnostics(sums, maxima)}.items():
+            out.set(name, value)
         return out
 
     def _prepare_input(self, tensordict: TensorDictBase) -> tuple[TensorDictBase, torch.Tensor]:
@@ -713,6 +709,8 @@ class GSPOLoss(GRPOLoss):
         def read(key: NestedKey):
             if rows is None:
                 return tensordict.get(key, None)
+            if rows[0].get(key, None) is None:  # the common case of an absent key: one read
+                return None
             values = [row.get(key, None) for row in rows]
             return None if any(v is None for v in values) else values
 
@@ -782,11 +780,19 @@ class GSPOLoss(GRPOLoss):
         decoupled = old is not None
         n_statistics = _N_SUMS + _N_MAXIMA + decoupled * (_N_ROLLOUT_SUMS + _N_ROLLOUT_MAXIMA)
         statistics = advantage.new_zeros(
-            (batch, n_statistics), dtype=torch.promote_types(advantage.dtype, torch.float32)
+            (batch if rows is None else 1, n_statistics),
+            dtype=torch.promote_types(advantage.dtype, torch.float32),
         )
         has_value = advantage.isfinite().squeeze(-1)  # [B, T], or [B] for one per sequence
         if has_value.shape[-1] == 1:
             has_value = has_value.squeeze(-1)
+        private = {_STATISTICS: statistics, _HAS_VALUE: has_value}
+        if rows is not None and not (decoupled or aligned or scale is not None):
+            # Nothing to change in the rows: a new stack of the same rows, the first one
+            # copied to carry the private entries (copying every row costs far more).
+            first = rows[0].copy()
+            first.set(_PRIVATE, TensorDict(private))
+            return lazy_stack([first, *rows[1:]]), statistics[0]
         tensordict = tensordict.copy()
         if decoupled:
             # The ratio reads sample_log_prob: give it the old log-probs, and keep the
@@ -795,10 +801,12 @@ class GSPOLoss(GRPOLoss):
             tensordict.rename_key_(keys.old_log_prob, keys.sample_log_prob)
         if aligned:
             tensordict.set(keys.advantage, torch.where(advantage.isfinite(), advantage, 0.0))
-        private = {_STATISTICS: statistics, _HAS_VALUE: has_value}
-        tensordict.set(_PRIVATE, TensorDict(private, batch_size=[batch]))
         if scale is not None:
             tensordict.set(_SEQUENCE_SCALE, scale * batch)
+        if rows is None:
+            tensordict.set(_PRIVATE, TensorDict(private, batch_size=[batch]))
+        else:
+            _rows(tensordict)[0].set(_PRIVATE, TensorDict(private))
         return tensordict, statistics[0]
 
     def _check_sequence_scale(self, scale, batch: int) -> torch.Tensor:
@@ -1154,14 +1162,14 @@ class GSPOLoss(GRPOLoss):
         low, high = bounds
         tokens = lengths.to(log_ratio.dtype)
         nonempty = lengths > 0
-        masked = torch.where(nonempty, log_ratio, 0.0)  # 0 lies inside the clip range
-        # rows: non-empty, below the clip range, above it
-        indicators = torch.stack([nonempty, masked < low, masked > high]).to(log_ratio.dtype)
-        weighted = indicators @ torch.stack([tokens, masked], -1)  # [3, (tokens, log s)]
+        # rows: non-empty, below the clip range, above it (an empty sequence has log s_i
+        # = 0, an empty sum, which lies inside the clip range)
+        indicators = torch.stack([nonempty, log_ratio < low, log_ratio > high]).to(log_ratio.dtype)
+        weighted = indicators @ torch.stack([tokens, log_ratio], -1)  # [3, (tokens, log s)]
         sums = torch.cat([weighted.flatten(), indicators.sum(-1)])
         weights = torch.where(nonempty, log_ratio, -math.inf)
         lse = torch.stack([weights, 2 * weights]).logsumexp(-1)
-        return sums, torch.cat([masked.abs().amax(0, keepdim=True), lse])
+        return sums, torch.cat([log_ratio.abs().amax(0, keepdim=True), lse])
 
     def _rollout_correction(
         self,
@@ -1247,10 +1255,17 @@ class GSPOLoss(GRPOLoss):
                 sums = torch.cat([sums, rollout_sums])
                 maxima = torch.cat([maxima, rollout_maxima])
             statistics.copy_(torch.cat([sums, maxima]))
-        # Broadcast over the valid tokens (0 elsewhere); -inf (a sampled token of
-        # probability 0) becomes the lowest float, whose ratio is 0 as well.
+        # -inf (a sampled token of probability 0) becomes the lowest float, whose ratio
+        # is 0 as well.
         log_ratio = log_ratio.clamp(min=torch.finfo(log_ratio.dtype).min, max=self.max_log_ratio)
-        log_weight = (log_ratio.unsqueeze(-1) * mask).unsqueeze(-1)
+        if adv_shape[-1] == 1:
+            # One advantage per sequence: a view of log s_i over all T positions (the
+            # masked ones are never aggregated), which the objective reads once per
+            # sequence.
+            log_weight = log_ratio.reshape(-1, 1, 1).expand(-1, mask.shape[-1], 1)
+        else:
+            # Per-token advantages (0 on padding): log s_i on the valid tokens, 0 elsewhere.
+            log_weight = (log_ratio.unsqueeze(-1) * mask).unsqueeze(-1)
         if changed:
             kl_approx = torch.where(mask.unsqueeze(-1), kl_approx, 0.0)
         return log_weight, dist, kl_approx, mask
@@ -1268,6 +1283,15 @@ class GSPOLoss(GRPOLoss):
             loss = loss * scale.mean()
         return loss, value
 
+    def _compute_policy_objective(
+        self, log_weight: torch.Tensor, advantage: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._sequence_advantage and advantage.shape[-2] == 1:
+            # log_weight is log s_i at every position: GRPO's clipped surrogate once per
+            # sequence, [B, 1, 1], is Eq. 5's term of each sequence.
+            log_weight = log_weight[..., :1, :]
+        return super()._compute_policy_objective(log_weight, advantage)
+
     def _aggregate_loss_value(
         self,
         value: torch.Tensor,
@@ -1276,11 +1300,17 @@ class GSPOLoss(GRPOLoss):
     ) -> torch.Tensor:
         if tensordict is not None:
             # The rollout correction and the global normalisation weigh each sequence's
-            # per-token loss terms.
+            # loss terms.
             for key in (_ROLLOUT_WEIGHT, _SEQUENCE_SCALE):
                 weight = tensordict.get(key, None)
                 if weight is not None:
                     value = value * weight.to(value.dtype).reshape(-1, *(1,) * (value.ndim - 1))
+        if value.shape[-2] != mask.shape[-1]:  # one term per sequence, [B, 1, 1]
+            if self.aggregation == "prompt_mean" and self.reduction != "none":
+                # The mean over a sequence's valid tokens of its constant term is the
+                # term itself; a sequence without valid tokens counts 0.
+                return torch.where(mask.any(-1), value.reshape(-1), 0.0).mean()
+            value = value.expand(*mask.shape, value.shape[-1])
         loss = super()._aggregate_loss_value(value, mask, tensordict=tensordict)
         if self.aggregation == "prompt_mean" and self.reduction != "none":
             # GRPOLoss returns shape (1,) here; GSPO's objective is a scalar.
