@@ -27,8 +27,9 @@ by it). The three losses are timed one after the other in each of ``--rounds`` r
 a loss' ratio is the median over rounds of its time over GRPOLoss' in the same round,
 with the spread (min-max over rounds) in parentheses. Peak memory of one step (after a
 warm-up step) is measured for each loss in a fresh process: on CPU the growth of the
-resident set's peak (``VmHWM``), on CUDA of ``torch.cuda.max_memory_allocated``
-(dense layout, ``full`` and ``head`` modes).
+resident set's peak (``VmHWM``) in ``full`` mode (a ``head`` step allocates a few MB,
+which the allocator's reuse of freed pages blurs), on CUDA the growth of
+``torch.cuda.max_memory_allocated`` in ``full`` and ``head`` modes (dense layout).
 
 Usage::
 
@@ -295,7 +296,8 @@ def main(argv: list[str] | None = None) -> None:
                 b, t = map(int, size.split("x"))
                 case = Case(mode, b, t, layout, vocab if mode == "full" else 0, args.device)
                 result = time_case(case, rounds, min_run_time, args.threads)
-                if layout == "dense" and (mode == "full" or (mode == "head" and not args.quick)):
+                cuda_head = mode == "head" and args.device.startswith("cuda") and not args.quick
+                if layout == "dense" and (mode == "full" or cuda_head):
                     result["memory_mb"] = {n: peak_memory_mb(case, n) for n in LOSSES}
                 rows.append((case, result))
                 print(f"{case}: {result['ms']}", flush=True)

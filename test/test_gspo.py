@@ -647,13 +647,17 @@ def test_extreme_log_ratios_are_finite(sign, advantage):
 
 
 @pytest.mark.parametrize("kind", ["lazy", "dense"])
-def test_input_is_not_mutated(kind):
+@pytest.mark.parametrize("per_token", [False, True])
+def test_input_is_not_mutated(kind, per_token):
     actor = BigramActor()
     rows = make_rows(actor=actor, noise=0.01, seed=19)
-    batch = make_batch(kind, rows, advantage_per_token=kind == "lazy")
+    batch = make_batch(kind, rows, advantage_per_token=per_token)
     before = batch.clone()
     GSPOLoss(actor, kl_to_inference_coeff=0.1)(batch)
     assert set(batch.keys(True, True)) == set(before.keys(True, True))
+    if kind == "lazy":  # a key set on one row only would not show in the stack's keys
+        for row, row_before in zip(batch.tensordicts, before.tensordicts, strict=True):
+            assert set(row.keys(True, True)) == set(row_before.keys(True, True))
     for key in before.keys(True, True):
         a = before.get(key, as_padded_tensor=True)
         b = batch.get(key, as_padded_tensor=True)

@@ -695,6 +695,8 @@ class GSPOLoss(GRPOLoss):
         with its token; integers cast; NaN padding replaced by 0) and written on the
         copy; where a value is missing is recorded under a private key. The copy
         also carries the (empty) statistics buffer, which :meth:`_log_weight` fills.
+        Lazily stacked rows that need no change are not copied: the "copy" is a new
+        stack of the same rows whose first row is a copy carrying the private key.
         """
         keys = self.tensor_keys
         name = type(self).__name__
