@@ -664,6 +664,17 @@ def test_input_is_not_mutated(kind, per_token):
         assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), key
 
 
+@pytest.mark.parametrize("kind", ["lazy", "dense"])
+def test_missing_ref_log_prob_raises_grpos_error(kind):
+    """The call's private entries leave the batch's keys readable for GRPOLoss' message."""
+    actor = BigramActor()
+    batch = make_batch(kind, make_rows(actor=actor, noise=0.01, seed=1))
+    with pytest.raises(KeyError, match="Couldn't find the ref log-prob"):
+        GRPOLoss(actor, kl_to_ref_coeff=0.1)(batch)
+    with pytest.raises(KeyError, match="Couldn't find the ref log-prob"):
+        GSPOLoss(actor, kl_to_ref_coeff=0.1)(batch)
+
+
 def test_bfloat16_matches_float32_on_the_same_values():
     """bf16 log-probs are reduced in float32: same result as float32 on the same values.
 

@@ -207,6 +207,21 @@ def test_identical_to_gspo_beyond_max_log_ratio(shift):
     close(grads(token.loss_objective, actor), grads(seq.loss_objective, actor))
 
 
+@pytest.mark.parametrize("kind", ["lazy", "dense"])
+def test_overflowing_ratio_without_clamp_is_inf_not_nan(kind):
+    """max_log_ratio=None and log s_0 = 1000: s_0 overflows to inf. With A_0 = -1 the
+    term -min(s A, clip(s) A) is +inf, so the loss is +inf in both losses; the masked
+    positions of the row must not turn it into NaN."""
+    actor = BigramActor()
+    advantages = torch.tensor([-1.0, 1.0, -1.0], dtype=torch.float64)
+    rows = make_rows([(2, 3), (2, 4), (3, 2)], actor=actor, seed=11, advantages=advantages)
+    rows[0]["old"][2:] -= 1e3
+    make = lazy_batch if kind == "lazy" else dense_batch
+    for loss_cls in (GSPOLoss, GSPOTokenLoss):
+        out = loss_cls(actor, max_log_ratio=None)(make(rows))
+        assert out.loss_objective == float("inf"), loss_cls.__name__
+
+
 def test_extreme_log_ratios_are_finite():
     actor = BigramActor()
     rows = make_rows([(2, 3), (2, 4)], actor=actor, nan_prompt=False)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, lazy_stack
+from tensordict import LazyStackedTensorDict, TensorDictBase, lazy_stack
 from tensordict.utils import NestedKey
 from torch import distributions as d
 from torchrl.modules.llm import LLMWrapperBase
@@ -21,16 +21,17 @@ from torchrl.objectives.llm.grpo import GRPOLoss, LLMLossOutput
 
 __all__ = ["GSPOLoss", "GSPOLossOutput", "GSPOTokenLoss", "GSPOTokenLossOutput"]
 
-# Private entries, set together (one write) on the loss' own shallow copy of the input
-# (of a lazily stacked batch: on a copy of its first row, in a new stack of its rows):
-# - the call's statistics buffer, [B, n] (lazily stacked: [1, n]), created by forward
-#   and filled in place by _log_weight (its first row), so that the diagnostics travel
-#   with the call and nothing is stored on the module between the two methods;
+# Private entries of a call, plain tensors set on the loss' own shallow copy of the input
+# (of a lazily stacked batch: on a copy of its first row only, in a new stack of its rows;
+# the other rows lack them, which leaves the stack's keys as they were):
+# - the call's statistics buffer, [B, n] (lazily stacked: [1, n]), created by
+#   _prepare_input and filled in place by _log_weight (its first row), so that the
+#   diagnostics travel with the call and nothing is stored on the module between the
+#   two methods;
 # - where the (left-aligned) advantage holds a finite value: [B] for one advantage per
 #   sequence, [B, T] per token (False on padding).
-_PRIVATE = "_gspo"
-_STATISTICS = "statistics"
-_HAS_VALUE = "has_value"
+_STATISTICS = "_gspo_statistics"
+_HAS_VALUE = "_gspo_has_value"
 _DIAGNOSTICS = (
     "clip_fraction",
     "clip_fraction_low",
@@ -214,10 +215,11 @@ def _private(tensordict: TensorDictBase) -> tuple[torch.Tensor | None, torch.Ten
     """The call's statistics buffer and where advantages have values; ``(None, None)``
     outside forward."""
     rows = _rows(tensordict)
-    private = (tensordict if rows is None else rows[0]).get(_PRIVATE, None)
-    if private is None:
+    source = tensordict if rows is None else rows[0]
+    statistics = source.get(_STATISTICS, None)
+    if statistics is None:
         return None, None
-    return private.get(_STATISTICS)[0], private.get(_HAS_VALUE)
+    return statistics[0], source.get(_HAS_VALUE)
 
 
 def _left_pad(rows: list[torch.Tensor], value: float) -> torch.Tensor:
@@ -792,8 +794,7 @@ class GSPOLoss(GRPOLoss):
         if rows is not None and not (decoupled or aligned or scale is not None):
             # Nothing to change in the rows: a new stack of the same rows, the first one
             # copied to carry the private entries (copying every row costs far more).
-            first = rows[0].copy()
-            first.set(_PRIVATE, TensorDict(private))
+            first = rows[0].copy().update(private)
             return lazy_stack([first, *rows[1:]]), statistics[0]
         tensordict = tensordict.copy()
         if decoupled:
@@ -805,10 +806,7 @@ class GSPOLoss(GRPOLoss):
             tensordict.set(keys.advantage, torch.where(advantage.isfinite(), advantage, 0.0))
         if scale is not None:
             tensordict.set(_SEQUENCE_SCALE, scale * batch)
-        if rows is None:
-            tensordict.set(_PRIVATE, TensorDict(private, batch_size=[batch]))
-        else:
-            _rows(tensordict)[0].set(_PRIVATE, TensorDict(private))
+        (tensordict if rows is None else _rows(tensordict)[0]).update(private)
         return tensordict, statistics[0]
 
     def _check_sequence_scale(self, scale, batch: int) -> torch.Tensor:
@@ -1261,9 +1259,9 @@ class GSPOLoss(GRPOLoss):
         # is 0 as well.
         log_ratio = log_ratio.clamp(min=torch.finfo(log_ratio.dtype).min, max=self.max_log_ratio)
         if adv_shape[-1] == 1:
-            # One advantage per sequence: a view of log s_i over all T positions (the
-            # masked ones are never aggregated), which the objective reads once per
-            # sequence.
+            # One advantage per sequence: a view of log s_i over all T positions, which
+            # GSPOLoss' objective reads once per sequence (GSPO-token's reads every
+            # position; _aggregate_loss_value leaves the masked ones out).
             log_weight = log_ratio.reshape(-1, 1, 1).expand(-1, mask.shape[-1], 1)
         else:
             # Per-token advantages (0 on padding): log s_i on the valid tokens, 0 elsewhere.
@@ -1313,6 +1311,10 @@ class GSPOLoss(GRPOLoss):
                 # term itself; a sequence without valid tokens counts 0.
                 return torch.where(mask.any(-1), value.reshape(-1), 0.0).mean()
             value = value.expand(*mask.shape, value.shape[-1])
+        elif not self._sequence_advantage:
+            # GSPO-token's terms on masked positions read the broadcast log s_i: an
+            # overflow there (inf) must not become NaN in GRPOLoss' masked product.
+            value = torch.where(mask.unsqueeze(-1), value, 0.0)
         loss = super()._aggregate_loss_value(value, mask, tensordict=tensordict)
         if self.aggregation == "prompt_mean" and self.reduction != "none":
             # GRPOLoss returns shape (1,) here; GSPO's objective is a scalar.
