@@ -12,25 +12,23 @@ references on the union batch.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from gspo_testing import BigramActor, lazy_batch
+from gspo_testing import BigramActor, build_loss, lazy_batch
+from llm_testing import tiny_qwen, training_wrapper, word_tokenizer
 from tensordict import lazy_stack
 from torch.nn.parallel import DistributedDataParallel
 
-from torchrl_gspo import GlobalBatchStepper, GSPOLoss, all_reduce_diagnostics, set_sequence_scale
-
-DIAGNOSTICS = (
-    "clip_fraction",
-    "clip_fraction_low",
-    "clip_fraction_high",
-    "sequence_clip_fraction",
-    "ESS",
-    "sequence_log_ratio",
-    "sequence_log_ratio_max_abs",
+from torchrl_gspo import (
+    GlobalBatchStepper,
+    GSPOLoss,
+    SequenceStatistics,
+    all_reduce_diagnostics,
+    set_sequence_scale,
 )
 
 
@@ -71,22 +69,28 @@ def _bigram(spec: dict, rank: int, dtype: torch.dtype) -> dict:
         batch = lazy_batch(rows)
         if option == "global":
             set_sequence_scale([batch])
-        out = GSPOLoss(actor, clip_epsilon=spec["eps"])(batch)
+        out = build_loss(GSPOLoss, actor, clip_epsilon=spec["eps"])(batch)
         out.loss_objective.backward()
         results[option] = actor.net.module.table.grad.clone()
         if option == "global":
+            names = out.statistics.fields()  # every statistic and diagnostic
             glob = all_reduce_diagnostics(out)
-            results["diagnostics"] = {k: getattr(glob, k) for k in DIAGNOSTICS}
-            results["local_diagnostics"] = {k: getattr(out, k) for k in DIAGNOSTICS}
+            results["diagnostics"] = {k: getattr(glob, k) for k in names}
+            results["local_diagnostics"] = {k: getattr(out, k) for k in names}
     # gradient accumulation over this rank's micro-batches (unequal sizes), under DDP
     actor = DDPBigramActor(dtype=dtype, seed=spec["seed"])
     cuts = spec["micro"][rank]
     micro = [lazy_batch(rows[a:b]) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
     set_sequence_scale(micro)
-    loss_fn = GSPOLoss(actor, clip_epsilon=spec["eps"])
+    loss_fn = build_loss(GSPOLoss, actor, clip_epsilon=spec["eps"])
     for batch in micro:
         loss_fn(batch).loss_objective.backward()
     results["accumulated"] = actor.net.module.table.grad.clone()
+    # diagnostics: split into micro-batches -> combine -> all_reduce
+    with torch.no_grad():
+        parts = [SequenceStatistics.from_output(loss_fn(batch)) for batch in micro]
+    combined = functools.reduce(SequenceStatistics.combine, parts).all_reduce()
+    results["combined"] = combined.fields()
     # GlobalBatchStepper (TorchRL's stepper protocol): one SGD step of lr 1
     actor = DDPBigramActor(dtype=dtype, seed=spec["seed"])
     table = actor.net.module.table
@@ -94,7 +98,7 @@ def _bigram(spec: dict, rank: int, dtype: torch.dtype) -> dict:
     stepper = GlobalBatchStepper(
         torch.optim.SGD([table], lr=1.0), gradient_accumulation_steps=3, clip_norm=None
     )
-    loss_fn = GSPOLoss(actor, clip_epsilon=spec["eps"], entropy_bonus=False)
+    loss_fn = build_loss(GSPOLoss, actor, clip_epsilon=spec["eps"], entropy_bonus=False)
 
     class Trainer:
         compute_loss = staticmethod(loss_fn)
@@ -106,23 +110,19 @@ def _bigram(spec: dict, rank: int, dtype: torch.dtype) -> dict:
 
 
 def _qwen(spec: dict, rank: int, fsdp: bool) -> dict:
-    import gspo_toy
-    from torchrl.modules.llm import TransformersWrapper
-
-    tokenizer = gspo_toy.build_tokenizer()
-    model = gspo_toy.build_model(tokenizer, seed=spec["qwen_seed"]).double()
+    tokenizer = word_tokenizer()
+    model = tiny_qwen(tokenizer, seed=spec["qwen_seed"]).double()
     if fsdp:
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(model)
     else:
         model.model = DistributedDataParallel(model.model)
-    policy = gspo_toy.scoring_wrapper(model, tokenizer)
-    assert isinstance(policy, TransformersWrapper)
+    policy = training_wrapper(model, tokenizer)
     rows = spec["qwen_rows"][spec["split"][rank] : spec["split"][rank + 1]]
     batch = lazy_stack([row.clone() for row in rows], 0)
     set_sequence_scale([batch])
-    out = GSPOLoss(policy, clip_epsilon=spec["eps"], entropy_bonus=False)(batch)
+    out = build_loss(GSPOLoss, policy, clip_epsilon=spec["eps"], entropy_bonus=False)(batch)
     out.loss_objective.backward()
     grads = {}
     for name, param in model.named_parameters():

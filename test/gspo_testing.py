@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 from tensordict.nn import TensorDictModuleBase
@@ -78,6 +80,27 @@ class BigramActor(TensorDictModuleBase):
         previous = torch.cat([torch.full_like(tokens[..., :1], PAD), tokens[..., :-1]], -1)
         log_probs = torch.log_softmax(self.table[previous], dim=-1)
         return log_probs.gather(-1, tokens.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+
+
+def build_loss(loss_cls, actor, **kwargs):
+    """``loss_cls(actor, **kwargs)``, asserting exactly the warnings its arguments raise.
+
+    A clip range above 0.01 ("practically never clips") and ``aggregation="token_mean"``
+    ("weights each sequence by its length") warn; oracle tests use both on purpose.
+    """
+    eps = kwargs.get("clip_epsilon", 0.0)
+    expected = []
+    if max(eps if isinstance(eps, (tuple, list)) else (eps,)) > 0.01:
+        expected.append("practically never clips")
+    if kwargs.get("aggregation") == "token_mean":
+        expected.append("weights each sequence by its length")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss_fn = loss_cls(actor, **kwargs)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == len(expected), messages
+    assert all(any(words in m for m in messages) for words in expected), messages
+    return loss_fn
 
 
 # Ragged rows: (prompt length, response length). Response lengths include 0 and 1.

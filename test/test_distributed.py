@@ -21,14 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from gspo_testing import BigramActor, lazy_batch, make_rows
+from gspo_testing import BigramActor, build_loss, lazy_batch, make_rows
+from llm_testing import EXAMPLES, tiny_qwen, training_wrapper, word_tokenizer
 from tensordict import TensorDict, lazy_stack
 
 from torchrl_gspo import GSPOLoss, RecomputeOldLogProbs
 
 pytestmark = pytest.mark.distributed
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 EPS = (0.02, 0.02)  # sequences clipped on both sides and inside the range
 # 12 ragged rows, three of them without a response token
 SHAPES = [
@@ -59,12 +59,8 @@ def _free_port() -> int:
 
 def _qwen_rows(seed: int):
     """Ragged token rows for the tiny Qwen2, with perturbed recomputed old log-probs."""
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
-    import gspo_toy
-
-    tokenizer = gspo_toy.build_tokenizer()
-    model = gspo_toy.build_model(tokenizer, seed=seed).double()
+    tokenizer = word_tokenizer()
+    model = tiny_qwen(tokenizer, seed=seed).double()
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for i, (p, r) in enumerate(SHAPES):
@@ -74,7 +70,7 @@ def _qwen_rows(seed: int):
             TensorDict(tokens=tokens, advantage=torch.tensor([[(-1.0) ** i * (1 + i / 10)]]))
         )
     data = lazy_stack(rows, 0)
-    RecomputeOldLogProbs(gspo_toy.scoring_wrapper(model, tokenizer), out_key="log_probs")(data)
+    RecomputeOldLogProbs(training_wrapper(model, tokenizer), out_key="log_probs")(data)
     out = []
     for row in data.unbind(0):
         row = row.clone()
@@ -96,8 +92,6 @@ def _run(world: int, tmp_path: Path, qwen: bool) -> list[dict]:
     torch.save(spec, tmp_path / "spec.pt")
     from distributed_workers import worker
 
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
     context = mp.start_processes(
         worker,
         args=(world, _free_port(), str(tmp_path)),
@@ -117,7 +111,7 @@ def _run(world: int, tmp_path: Path, qwen: bool) -> list[dict]:
 def _union_grad(rows, dtype, **kwargs):
     actor = BigramActor(dtype=dtype, seed=3)
     rows = [{k: v.to(dtype) if v.is_floating_point() else v for k, v in r.items()} for r in rows]
-    out = GSPOLoss(actor, clip_epsilon=EPS, **kwargs)(lazy_batch(rows))
+    out = build_loss(GSPOLoss, actor, clip_epsilon=EPS, **kwargs)(lazy_batch(rows))
     return torch.autograd.grad(out.loss_objective, actor.table)[0], out
 
 
@@ -136,10 +130,11 @@ def _check_bigram(results, spec, world):
             torch.testing.assert_close(r["stepper_update"], expected, rtol=tol, atol=tol)
             torch.testing.assert_close(r["local"], documented, rtol=tol, atol=tol)
             assert (r["local"] - expected).abs().max() > 100 * tol  # the difference is real
-            for key, value in r["diagnostics"].items():
-                torch.testing.assert_close(
-                    value, getattr(union_out, key).detach(), rtol=tol, atol=tol
-                )
+            assert set(r["diagnostics"]) == set(r["combined"]) == set(union_out.statistics.fields())
+            for key, value in r["diagnostics"].items():  # every statistic and diagnostic
+                union = getattr(union_out, key).detach()
+                torch.testing.assert_close(value, union, rtol=tol, atol=tol)
+                torch.testing.assert_close(r["combined"][key], union, rtol=tol, atol=tol)
             if rank == 0:  # rank 0's own diagnostics differ from the global ones
                 assert any(
                     not torch.equal(r["local_diagnostics"][k], r["diagnostics"][k])
@@ -151,13 +146,11 @@ def test_two_processes_ddp_and_fsdp(tmp_path):
     results, spec = _run(2, tmp_path, qwen=True)
     _check_bigram(results, spec, 2)
     rows, model, tokenizer = _qwen_rows(seed=7)
-    import gspo_toy
-
     # Eq. 5 on the union batch, (1/N) sum_i loss_i. The transformer's padded forward
     # depends on the padding width at about 1e-9 (float64 kernels on other shapes),
     # so each rank's rows are forwarded together, as in the workers, on one thread.
-    policy = gspo_toy.scoring_wrapper(model, tokenizer)
-    loss_fn = GSPOLoss(policy, clip_epsilon=EPS, entropy_bonus=False)
+    policy = training_wrapper(model, tokenizer)
+    loss_fn = build_loss(GSPOLoss, policy, clip_epsilon=EPS, entropy_bonus=False)
     split, threads = SPLITS[2], torch.get_num_threads()
     torch.set_num_threads(1)
     try:

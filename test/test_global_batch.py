@@ -141,4 +141,4 @@ def test_global_normalisation_errors():
     with pytest.raises(ValueError, match="fewer than gradient_accumulation_steps=9"):
         stepper.step(None, lazy_batch(rows))
     with pytest.raises(ValueError, match="needs a GSPOLoss output"):
-        all_reduce_diagnostics(make_loss(actor)(batch).exclude("diagnostics_sum"))
+        all_reduce_diagnostics(make_loss(actor)(batch).exclude("stat_tokens"))

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gspo_testing import BigramActor, dense_batch, lazy_batch, left_pad, make_rows, padded
+from gspo_testing import (
+    BigramActor,
+    build_loss,
+    dense_batch,
+    lazy_batch,
+    left_pad,
+    make_rows,
+    padded,
+)
 from tensordict import TensorDict, lazy_stack
 
 from torchrl_gspo import GSPOLoss, GSPOTokenLoss, GSPOTokenLossOutput
@@ -69,8 +77,8 @@ def test_sequence_advantages_identical_to_gspo(kind, noise, eps, per_token_layou
     rows = make_rows(actor=actor, noise=noise, seed=1)
     make = lazy_batch if kind == "lazy" else dense_batch
     batch = make(rows, advantage_per_token=per_token_layout)
-    token = GSPOTokenLoss(actor, clip_epsilon=eps)(batch)
-    seq = GSPOLoss(actor, clip_epsilon=eps)(batch)
+    token = build_loss(GSPOTokenLoss, actor, clip_epsilon=eps)(batch)
+    seq = build_loss(GSPOLoss, actor, clip_epsilon=eps)(batch)
     assert isinstance(token, GSPOTokenLossOutput)
     close(token.loss_objective, seq.loss_objective)
     close(grads(token.loss_objective, actor), grads(seq.loss_objective, actor))
@@ -81,20 +89,28 @@ def test_sequence_advantages_identical_to_gspo(kind, noise, eps, per_token_layou
 
 
 def test_token_ratio_value_is_the_sequence_ratio():
-    """The stop-gradient rewrite leaves every token's log-weight equal to log s_i."""
+    """The stop-gradient rewrite leaves every token's weight equal to s_i.
+
+    With A = 1 on every token and a clip range that never binds, each valid token's
+    term (aggregation="none") is -s_it: it equals GSPOLoss' -s_i, one value per
+    sequence, and the oracle's.
+    """
     actor = BigramActor()
-    rows = make_rows(actor=actor, noise=0.05, seed=2)
-    batch = lazy_batch(rows)
-    token_loss, seq_loss = GSPOTokenLoss(actor), GSPOLoss(actor)
-    lw_token, _, _, mask_t = token_loss._log_weight(
-        token_loss._prepare_input(batch)[0], torch.Size([len(rows), 1])
-    )
-    lw_seq, _, _, mask_s = seq_loss._log_weight(
-        seq_loss._prepare_input(batch)[0], torch.Size([len(rows), 1])
-    )
-    assert torch.equal(mask_t, mask_s)
-    assert torch.equal(lw_token, lw_seq)
-    assert lw_token[mask_t].unique().numel() == mask_t.any(-1).sum()  # one value per sequence
+    rows = make_rows(actor=actor, noise=0.05, seed=2, advantages=torch.ones(6, dtype=torch.float64))
+    batch = lazy_batch(rows, advantage_per_token=True)
+    kwargs = {"clip_epsilon": (0.5, 0.5), "aggregation": "none", "entropy_bonus": False}
+    with pytest.warns(UserWarning, match="practically never clips"):
+        token = -GSPOTokenLoss(actor, **kwargs)(batch).loss_objective.detach().squeeze(-1)
+    with pytest.warns(UserWarning, match="practically never clips"):
+        seq = -GSPOLoss(actor, **kwargs)(batch).loss_objective.detach().squeeze(-1)
+    current, old, mask = oracle_inputs(actor, rows)
+    assert torch.equal(token, seq)
+    assert torch.equal(token != 0, mask)
+    assert token[mask].unique().numel() == mask.any(-1).sum()  # one value per sequence
+    with torch.no_grad():
+        log_ratio = torch.where(mask, current - old, 0.0)
+        s = (log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)).exp()
+    close(token, torch.where(mask, s.unsqueeze(-1), 0.0))
 
 
 @pytest.mark.parametrize("noise,eps", [(1e-3, PAPER_EPS), (1e-3, (0.5, 0.5)), (0.3, (0.05, 0.08))])
@@ -102,7 +118,7 @@ def test_per_token_advantages_match_oracle(noise, eps):
     actor = BigramActor()
     rows = make_rows(actor=actor, noise=noise, seed=3)
     advantages = distinct_advantages(rows)
-    out = GSPOTokenLoss(actor, clip_epsilon=eps)(per_token_batch(rows, advantages))
+    out = build_loss(GSPOTokenLoss, actor, clip_epsilon=eps)(per_token_batch(rows, advantages))
     current, old, mask = oracle_inputs(actor, rows)
     advantage = left_pad(advantages, 0.0)
     expected = oracle_gspo_token(current, old, mask, advantage, *eps)
@@ -114,7 +130,9 @@ def test_unclipped_gradient_is_eq17():
     actor = BigramActor()
     rows = make_rows(actor=actor, noise=1e-3, seed=4)
     advantages = distinct_advantages(rows, seed=1)
-    out = GSPOTokenLoss(actor, clip_epsilon=(0.5, 0.5))(per_token_batch(rows, advantages))
+    out = build_loss(GSPOTokenLoss, actor, clip_epsilon=(0.5, 0.5))(
+        per_token_batch(rows, advantages)
+    )
     current, old, mask = oracle_inputs(actor, rows)
     advantage = left_pad(advantages, 0.0)
     with torch.no_grad():
@@ -134,19 +152,19 @@ def test_ragged_per_token_advantages_are_aligned():
     rows = make_rows(actor=actor, noise=1e-3, seed=5)
     advantages = distinct_advantages(rows, seed=2)
     eps = (0.5, 0.5)
-    full = GSPOTokenLoss(actor, clip_epsilon=eps)(per_token_batch(rows, advantages))
+    full = build_loss(GSPOTokenLoss, actor, clip_epsilon=eps)(per_token_batch(rows, advantages))
     current, old, mask = oracle_inputs(actor, rows)
     expected = oracle_gspo_token(current, old, mask, left_pad(advantages, 0.0), *eps)
     close(full.loss_objective, expected)
     # response-only advantage rows (prompt length p dropped) end with the tokens too
     prompt_lengths = [int((~r["response"]).cumprod(0).sum()) for r in rows]
     response_only = [a[p:] for a, p in zip(advantages, prompt_lengths, strict=True)]
-    out = GSPOTokenLoss(actor, clip_epsilon=eps)(per_token_batch(rows, response_only))
+    out = build_loss(GSPOTokenLoss, actor, clip_epsilon=eps)(per_token_batch(rows, response_only))
     close(out.loss_objective, expected)
     # a dense, left-padded [B, T, 1] layout gives the same
     dense = dense_batch(rows)
     dense.set("advantage", left_pad(advantages, 0.0).unsqueeze(-1))
-    close(GSPOTokenLoss(actor, clip_epsilon=eps)(dense).loss_objective, expected)
+    close(build_loss(GSPOTokenLoss, actor, clip_epsilon=eps)(dense).loss_objective, expected)
 
 
 def test_advantage_rows_shorter_than_the_response_raise():
@@ -218,7 +236,7 @@ def test_overflowing_ratio_without_clamp_is_inf_not_nan(kind):
     rows[0]["old"][2:] -= 1e3
     make = lazy_batch if kind == "lazy" else dense_batch
     for loss_cls in (GSPOLoss, GSPOTokenLoss):
-        out = loss_cls(actor, max_log_ratio=None)(make(rows))
+        out = build_loss(loss_cls, actor, max_log_ratio=None)(make(rows))
         assert out.loss_objective == float("inf"), loss_cls.__name__
 
 

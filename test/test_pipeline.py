@@ -7,29 +7,22 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import io
 import json
-import sys
+import math
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
+from llm_testing import example
 from tensordict import TensorDict, lazy_stack
 from torchrl.modules.llm import TransformersWrapper
 from tqdm import tqdm
 
 from torchrl_gspo import GSPOLoss, RecomputeOldLogProbs
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-spec = importlib.util.spec_from_file_location("gspo_toy", EXAMPLES / "gspo_toy.py")
-gspo_toy = importlib.util.module_from_spec(spec)
-sys.modules["gspo_toy"] = gspo_toy
-spec.loader.exec_module(gspo_toy)
-spec = importlib.util.spec_from_file_location("engine_mismatch", EXAMPLES / "engine_mismatch.py")
-engine_mismatch = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(engine_mismatch)
+gspo_toy = example("gspo_toy")
+engine_mismatch = example("engine_mismatch")
 
 
 def sample_tokens(tokenizer, model, seed: int):
@@ -106,12 +99,21 @@ def reference_response_log_probs(model, data):
     return out
 
 
-def sequence_log_ratios(loss_fn, data):
-    lw, _, _, mask = loss_fn._log_weight(
-        loss_fn._prepare_input(data)[0], torch.Size([data.batch_size[0], 1])
-    )
-    lw = lw.squeeze(-1)
-    return torch.where(mask, lw, 0.0).sum(-1) / mask.sum(-1).clamp_min(1), mask
+def sequence_log_ratios(policy, data, **kwargs):
+    """log s_i and the loss mask, read off the loss' per-token terms.
+
+    With A = 1, aggregation="none" and a clip range that never binds, a valid token's
+    term is -s_i and a masked position's is 0.
+    """
+    with pytest.warns(UserWarning, match="practically never clips"):
+        loss_fn = GSPOLoss(
+            policy, aggregation="none", clip_epsilon=(0.999, 1e3), entropy_bonus=False, **kwargs
+        )
+    data = data.copy().set("advantage", torch.ones(data.batch_size[0], 1, 1))
+    ratio = -loss_fn(data).loss_objective.detach().squeeze(-1)
+    mask = ratio != 0
+    log_ratio = torch.where(mask, ratio.log(), 0.0)
+    return log_ratio.sum(-1) / mask.sum(-1).clamp_min(1), mask
 
 
 def test_recipe_configuration_gives_the_exact_response_mask(setup):
@@ -120,8 +122,7 @@ def test_recipe_configuration_gives_the_exact_response_mask(setup):
     assert len(set(lengths)) > 1 and min(lengths) >= 1  # ragged, EOS included where sampled
     policy = training_wrapper(model, tokenizer)
     data = with_old_log_probs(data, policy)
-    loss_fn = GSPOLoss(policy)
-    seq, mask = sequence_log_ratios(loss_fn, data)
+    seq, mask = sequence_log_ratios(policy, data)
     assert mask.sum(-1).tolist() == lengths
     assert torch.equal(seq, torch.zeros_like(seq))  # on-policy: exactly 0
 
@@ -156,12 +157,12 @@ def test_off_policy_ratios_match_the_models_own_log_probs(setup):
     with torch.no_grad():
         new = reference_response_log_probs(model, data)
         expected = torch.stack([(n - o).mean() for n, o in zip(new, old, strict=True)])
-        seq, mask = sequence_log_ratios(loss_fn, data)
+        seq, mask = sequence_log_ratios(policy, data)
         out = loss_fn(data)
     torch.testing.assert_close(seq, expected, rtol=1e-4, atol=1e-5)
     assert (seq.abs() > 1e-3).all()  # off-policy now
     lengths = mask.sum(-1).double()
-    low, high = loss_fn._clip_bounds
+    low, high = math.log1p(-3e-4), math.log1p(4e-4)  # the default clip range
     clipped = (expected < low) | (expected > high)
     assert 0 < out.clip_fraction <= 1
     assert torch.isclose(out.clip_fraction.double(), (lengths * clipped).sum() / lengths.sum())
@@ -242,7 +243,7 @@ def test_collected_batch_rewards_advantages_and_mask():
     # the training wrapper's "sft" mask is exactly the sampled response; on-policy ratio 0
     lengths = [r.numel() for r in responses]
     assert len(set(lengths)) > 1
-    seq, mask = sequence_log_ratios(pipeline.loss_fn, data)
+    seq, mask = sequence_log_ratios(pipeline.loss_fn.actor_network, data)
     assert mask.sum(-1).tolist() == lengths
     assert torch.equal(seq, torch.zeros_like(seq))
 
@@ -394,7 +395,7 @@ def test_history_mode_with_rlhf_masking():
     for key in ("log_probs", "tokens", "masks"):
         data.set(key, forward.get(key))
     loss_fn = GSPOLoss(policy, masking_strategy="rlhf")
-    seq, mask = sequence_log_ratios(loss_fn, data)
+    seq, mask = sequence_log_ratios(policy, data, masking_strategy="rlhf")
     expected = [r.numel() - int(int(r[-1]) == eos) for r in responses]
     assert mask.sum(-1).tolist() == expected
     assert torch.equal(seq, torch.zeros_like(seq))  # on-policy

@@ -6,12 +6,11 @@
 
 from __future__ import annotations
 
-import importlib.util
+import copy
 import math
-import sys
+import pickle
 import threading
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,12 +18,14 @@ from gspo_testing import (
     DEFAULT_SHAPES,
     BigramActor,
     LogProbActor,
+    build_loss,
     dense_batch,
     lazy_batch,
     make_rows,
     oracle_gspo_loss,
     padded,
 )
+from llm_testing import tiny_qwen, training_wrapper, word_tokenizer
 from tensordict import TensorDict, lazy_stack
 from torchrl.objectives.llm import GRPOLoss
 
@@ -102,8 +103,8 @@ def test_numeric_arguments_accept_tensors_and_zero_clamp():
     batch = lazy_batch(rows)
     reference = GSPOLoss(actor)(batch)
     eps = torch.tensor(3e-4, dtype=torch.float64)
-    out = GSPOLoss(actor, clip_epsilon=eps, max_log_ratio=0)(batch)
-    assert GSPOLoss(actor, clip_epsilon=eps).clip_epsilon_high == 3e-4
+    out = build_loss(GSPOLoss, actor, clip_epsilon=eps, max_log_ratio=0)(batch)
+    assert build_loss(GSPOLoss, actor, clip_epsilon=eps).clip_epsilon_high == 3e-4
     assert torch.equal(out.loss_objective, reference.loss_objective)
     close(out.loss_objective, oracle(actor, rows, eps=(3e-4, 3e-4)))
 
@@ -126,7 +127,7 @@ def test_ragged_old_log_probs_of_the_wrong_length_raise(delta, strategy):
         match=rf"at \('log_probs', 'full'\) do not have one value per token in batch "
         rf"row\(s\) \[3\]: shapes \[\({n + delta},\)\] vs token lengths \[{n}\]",
     ):
-        GSPOLoss(actor, masking_strategy=strategy)(batch)
+        build_loss(GSPOLoss, actor, masking_strategy=strategy)(batch)
     if delta < 0:  # what the check prevents: a silently different, finite loss
         grpo = GRPOLoss(actor, masking_strategy=strategy, aggregation="prompt_mean")(batch)
         assert grpo.loss_objective.isfinite().all()
@@ -148,7 +149,7 @@ def test_non_finite_old_log_prob_in_the_response_raises(kind, value, strategy, m
         match=r"old log-probabilities at \('log_probs', 'full'\) are NaN or infinite on "
         rf"1 valid token\(s\), in batch row\(s\) \[0\].*'{strategy}'",
     ):
-        GSPOLoss(actor, masking_strategy=strategy)(batch)
+        build_loss(GSPOLoss, actor, masking_strategy=strategy)(batch)
 
 
 @pytest.mark.parametrize("kind", ["lazy", "dense"])
@@ -169,7 +170,9 @@ def test_nan_prompt_prefix_is_accepted(kind, strategy, mask_name):
     actor = BigramActor()
     rows = make_rows(actor=actor, noise=0.01, nan_prompt=True, seed=4)
     eps = (0.5, 0.5)
-    out = GSPOLoss(actor, masking_strategy=strategy, clip_epsilon=eps)(make_batch(kind, rows))
+    out = build_loss(GSPOLoss, actor, masking_strategy=strategy, clip_epsilon=eps)(
+        make_batch(kind, rows)
+    )
     tokens = padded(rows, "tokens", 0)
     current = actor.token_log_probs(tokens)
     old = padded(rows, "old", 0.0)
@@ -184,14 +187,12 @@ def test_nan_prompt_prefix_is_accepted(kind, strategy, mask_name):
 # ---------------------------------------------------------------------------------
 # TorchRL's first-token log-prob, through TransformersWrapper
 # ---------------------------------------------------------------------------------
-def _example_module():
-    path = Path(__file__).resolve().parents[1] / "examples" / "gspo_toy.py"
-    if "gspo_toy" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("gspo_toy", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["gspo_toy"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["gspo_toy"]
+def _per_token_terms(loss_cls, policy, data, **kwargs):
+    """The loss' per-token terms -min(r A, clip(r) A) (aggregation="none"), [B, T]."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # a clip range that never binds
+        loss_fn = loss_cls(policy, aggregation="none", entropy_bonus=False, **kwargs)
+    return loss_fn(data).loss_objective.detach().squeeze(-1)
 
 
 def test_wrapper_first_token_log_prob_is_not_scored_with_generic_masking():
@@ -201,13 +202,9 @@ def test_wrapper_first_token_log_prob_is_not_scored_with_generic_masking():
     distribution disagree on that token of every row, so an on-policy batch would be
     off-policy by |log p(first)| / |y_i|. GSPOLoss never scores a row's first token.
     """
-    from torchrl.modules.llm import TransformersWrapper
-
-    toy = _example_module()
-    tokenizer = toy.build_tokenizer()
-    model = toy.build_model(tokenizer, seed=0)
-    common = {"tokenizer": tokenizer, "input_mode": "tokens", "generate": False}
-    policy = TransformersWrapper(model, return_log_probs=True, pad_output=False, **common)
+    tokenizer = word_tokenizer()
+    model = tiny_qwen(tokenizer, seed=0)
+    policy = training_wrapper(model, tokenizer)
     gen = torch.Generator().manual_seed(0)
     shapes = [(4, 3), (2, 6), (5, 1), (3, 4)]
     rows = []
@@ -223,23 +220,25 @@ def test_wrapper_first_token_log_prob_is_not_scored_with_generic_masking():
     first = [width - (p + r) for p, r in shapes]
     assert all(old[i, j] == 0.0 for i, j in enumerate(first))  # TorchRL's placeholder
 
-    # GRPOLoss scores that token: its token log-ratio there is far from 0 on-policy
-    grpo = GRPOLoss(policy, masking_strategy="generic", clip_epsilon=PAPER_EPS)
-    lw, _, _, _ = grpo._log_weight(data.copy(), torch.Size([len(shapes), 1]))
-    assert all(lw[i, j, 0].abs() > 0.1 for i, j in enumerate(first))
+    # GRPOLoss scores that token: with A = +-1 and a range that never clips, its term
+    # is -r A, and its token ratio r there is far from 1 on-policy
+    wide = {"masking_strategy": "generic", "clip_epsilon": (0.999, 1e3)}
+    grpo = _per_token_terms(GRPOLoss, policy, data, **wide)
+    assert all((grpo[i, j].abs().log()).abs() > 0.1 for i, j in enumerate(first))
 
-    loss_fn = GSPOLoss(policy, masking_strategy="generic", entropy_bonus=False)
-    prepared = loss_fn._prepare_input(data)[0]
-    _, _, _, mask = loss_fn._log_weight(prepared, torch.Size([len(shapes), 1]))
+    # GSPOLoss' terms are -s_i A_i on its loss mask and 0 elsewhere
+    terms = _per_token_terms(GSPOLoss, policy, data, **wide)
+    mask = terms != 0
     assert mask.sum(-1).tolist() == [p + r - 1 for p, r in shapes]
     assert not any(mask[i, j] for i, j in enumerate(first))
+    loss_fn = GSPOLoss(policy, masking_strategy="generic", entropy_bonus=False)
     out = loss_fn(data)
     assert out.clip_fraction == 0.0
     assert out.sequence_log_ratio_max_abs < 1e-6  # on-policy
 
     # The same wrapper with pad_output=True returns rows padded to the longest one:
     # stored on ragged rows they no longer line up with the tokens, and are rejected.
-    padded_policy = TransformersWrapper(model, return_log_probs=True, pad_output=True, **common)
+    padded_policy = training_wrapper(model, tokenizer, pad_output=True)
     with torch.no_grad():
         data.set("log_probs", padded_policy(data.copy()).get("log_probs"))
     with pytest.raises(ValueError, match="do not have one value per token"):
@@ -339,8 +338,8 @@ def test_minus_inf_current_log_prob_gives_the_oracle_value(advantage_sign):
     rows, _ = _minus_inf_rows(actor)
     rows[0]["advantage"] = rows[0]["advantage"].abs() * advantage_sign
     batch = lazy_batch(rows)
-    seq = GSPOLoss(actor, entropy_bonus=False)(batch)
-    token = GSPOTokenLoss(actor, entropy_bonus=False)(batch)
+    seq = build_loss(GSPOLoss, actor, entropy_bonus=False)(batch)
+    token = build_loss(GSPOTokenLoss, actor, entropy_bonus=False)(batch)
     expected = oracle(actor, rows)
     expected_grad = grads(expected, actor)
     assert expected.isfinite() and expected_grad.isfinite().all()
@@ -375,14 +374,14 @@ def test_nan_or_positive_infinite_current_log_prob_raises(loss_cls, value):
         match=r"actor returned NaN or \+inf log-probabilities on 1 valid token\(s\), "
         r"in batch row\(s\) \[1\]",
     ):
-        loss_cls(actor, entropy_bonus=False)(data)
+        build_loss(loss_cls, actor, entropy_bonus=False)(data)
 
 
 def test_all_sequences_of_probability_zero_give_ess_zero():
     actor = BigramActor()
     rows, (prev, tok) = _minus_inf_rows(actor)
     rows = rows[:1]
-    out = GSPOLoss(actor, entropy_bonus=False)(lazy_batch(rows))
+    out = build_loss(GSPOLoss, actor, entropy_bonus=False)(lazy_batch(rows))
     assert out.ESS == 0.0 and out.loss_objective.isfinite()
 
 
@@ -409,7 +408,7 @@ def test_locked_input_works_and_is_unchanged(loss_cls, kind):
     batch = make_batch(kind, rows)
     before = batch.clone()
     batch.lock_()
-    out = loss_cls(actor, kl_to_inference_coeff=0.1)(batch)
+    out = build_loss(loss_cls, actor, kl_to_inference_coeff=0.1)(batch)
     close(out.loss_objective, oracle(actor, rows))
     for key in before.keys(True, True):
         a = before.get(key, as_padded_tensor=True)
@@ -437,7 +436,7 @@ DIAGNOSTICS = (
 def test_concurrent_calls_get_their_own_diagnostics(loss_cls):
     """Two threads share one loss module, 50 calls each, on different batches."""
     actor = BigramActor()
-    loss_fn = loss_cls(actor, entropy_bonus=False)
+    loss_fn = build_loss(loss_cls, actor, entropy_bonus=False)
     batches = [
         lazy_batch(make_rows(actor=actor, noise=1e-3, seed=1)),
         dense_batch(make_rows([(2, 9), (3, 2), (1, 6)], actor=actor, noise=0.3, seed=2)),
@@ -523,20 +522,23 @@ def test_warn_once_flag_does_not_change_results():
 
 
 # ---------------------------------------------------------------------------------
-# Devices without float64
+# Module behaviour: devices, dtypes, copies, state
 # ---------------------------------------------------------------------------------
-def test_clip_buffers_become_float32_where_float64_is_missing():
-    """Simulates MPS: a conversion that refuses float64 tensors."""
+def test_clip_buffers_become_float32_where_float64_is_missing(monkeypatch):
+    """Simulates MPS: a conversion (Module.to) that refuses float64 tensors."""
+    to = torch.Tensor.to
 
-    def no_float64(tensor):
+    def no_float64(tensor, *args, **kwargs):
         if tensor.dtype == torch.float64:
             raise TypeError("Cannot convert a MPS Tensor to float64 dtype")
-        return tensor
+        return to(tensor, *args, **kwargs)
 
     actor = BigramActor(dtype=torch.float32)
     loss_fn = GSPOLoss(actor)
     assert loss_fn.clip_epsilon_low.dtype == torch.float64
-    loss_fn._apply(no_float64)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.Tensor, "to", no_float64)
+        loss_fn.to("cpu")
     assert loss_fn.clip_epsilon_low.dtype == torch.float32
     assert loss_fn.clip_epsilon_low == torch.tensor(3e-4, dtype=torch.float32)
     rows = make_rows(actor=actor, dtype=torch.float32, noise=1e-3, seed=1)
@@ -545,3 +547,33 @@ def test_clip_buffers_become_float32_where_float64_is_missing():
     # a device with float64 keeps the exact values
     exact = GSPOLoss(actor).to("cpu")
     assert exact.clip_epsilon_low.dtype == torch.float64 and exact.clip_epsilon_low == 3e-4
+
+
+def _same_loss(a, b, batch):
+    out_a, out_b = a(batch), b(batch)
+    for name in DIAGNOSTICS:
+        assert torch.equal(getattr(out_a, name), getattr(out_b, name)), name
+
+
+@pytest.mark.parametrize("loss_cls", LOSSES)
+def test_copies_and_state_behave_as_grpos(loss_cls):
+    """deepcopy, pickle, state_dict, .double() and .to_empty, next to GRPOLoss."""
+    actor = BigramActor()
+    batch = lazy_batch(make_rows(actor=actor, noise=1e-3, seed=6))
+    loss_fn = build_loss(loss_cls, actor, entropy_bonus=False)
+    grpo = GRPOLoss(actor, clip_epsilon=PAPER_EPS, entropy_bonus=False)
+    for clone in (copy.deepcopy(loss_fn), pickle.loads(pickle.dumps(loss_fn))):
+        assert type(clone) is loss_cls and clone.clip_epsilon_high == 4e-4
+        _same_loss(clone, loss_fn, batch)
+    state = loss_fn.state_dict()
+    assert set(state) == set(grpo.state_dict())
+    fresh = loss_cls(BigramActor(seed=1), entropy_bonus=False, clip_epsilon=0.001)
+    fresh.load_state_dict(state)
+    assert fresh.clip_epsilon_low == 3e-4 and fresh.clip_epsilon_low.dtype == torch.float64
+    _same_loss(fresh, loss_fn, batch)
+    assert loss_cls(BigramActor(dtype=torch.float32)).double().actor_network.table.dtype == (
+        torch.float64
+    )
+    empty = loss_cls(BigramActor()).to_empty(device="cpu")  # torch's recurse argument
+    assert empty.clip_epsilon_low.dtype == torch.float64
+    assert empty.actor_network.table.shape == actor.table.shape

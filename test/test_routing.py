@@ -6,13 +6,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from llm_testing import example, tiny_qwen_moe, training_wrapper, word_tokenizer
 from tensordict import TensorDict, lazy_stack
 
 from torchrl_gspo import (
@@ -23,45 +21,25 @@ from torchrl_gspo import (
     routing_volatility,
 )
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+def _model(seed=0):
+    tokenizer = word_tokenizer()
+    model = tiny_qwen_moe(tokenizer, seed)
+    return model, RoutingReplay(model), training_wrapper(model, tokenizer)
 
 
-def _example(name):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-@pytest.fixture(scope="module")
-def moe():
-    _example("gspo_toy")
-    toy = sys.modules["gspo_toy"]
-    moe_routing = _example("moe_routing")
-    tokenizer = toy.build_tokenizer()
-    return toy, moe_routing, tokenizer
-
-
-def _model(moe, seed=0):
-    toy, moe_routing, tokenizer = moe
-    model = moe_routing.build_moe_model(tokenizer, seed)
-    return model, RoutingReplay(model), toy.scoring_wrapper(model, tokenizer)
-
-
-def _batch(tokenizer, shapes=((4, 3), (2, 6), (5, 1), (3, 4)), seed=0):
+def _batch(vocab, shapes=((4, 3), (2, 6), (5, 1), (3, 4)), seed=0):
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for i, (p, r) in enumerate(shapes):
-        full = torch.randint(3, len(tokenizer), (p + r,), generator=gen)
+        full = torch.randint(3, vocab, (p + r,), generator=gen)
         tokens = TensorDict(prompt=full[:p], response=full[p:], full=full)
         rows.append(TensorDict(tokens=tokens, advantage=torch.tensor([[(-1.0) ** i]])))
     return lazy_stack(rows, 0)
 
 
-def test_capture_and_replay_are_exact_on_the_model(moe):
-    model, replay, _ = _model(moe)
+def test_capture_and_replay_are_exact_on_the_model():
+    model, replay, _ = _model()
     vocab = model.config.vocab_size
     tokens = torch.randint(3, vocab, (3, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad(), replay.capture() as routes:
@@ -73,7 +51,7 @@ def test_capture_and_replay_are_exact_on_the_model(moe):
     block.register_forward_pre_hook(lambda m, args: hidden.setdefault("x", args[0]))
     with torch.no_grad():
         model(tokens)
-    probs = torch.softmax(block.gate(hidden["x"].reshape(-1, 64))[0], -1)
+    probs = torch.softmax(block.gate(hidden["x"].reshape(-1, model.config.hidden_size))[0], -1)
     assert torch.equal(probs.topk(2).indices.reshape(3, 7, 2), routes[0])
     with torch.no_grad(), replay.replay(routes):
         replayed = model(tokens).logits
@@ -83,8 +61,8 @@ def test_capture_and_replay_are_exact_on_the_model(moe):
     assert all(torch.equal(a, r) for a, r in zip(again, routes, strict=True))
 
 
-def test_replay_forces_the_cached_experts_after_an_update(moe):
-    model, replay, _ = _model(moe)
+def test_replay_forces_the_cached_experts_after_an_update():
+    model, replay, _ = _model()
     vocab = model.config.vocab_size
     tokens = torch.randint(3, vocab, (3, 7), generator=torch.Generator().manual_seed(2))
     with torch.no_grad(), replay.capture() as before:
@@ -103,12 +81,11 @@ def test_replay_forces_the_cached_experts_after_an_update(moe):
     assert model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
 
 
-def test_routes_travel_with_ragged_rows_through_the_wrapper(moe):
+def test_routes_travel_with_ragged_rows_through_the_wrapper():
     """Recorded on the whole batch, replayed on a subset padded differently."""
-    toy, _, tokenizer = moe
-    model, replay, policy = _model(moe)
+    model, replay, policy = _model()
     data = RecordRoutes(replay, RecomputeOldLogProbs(policy, out_key="log_probs"))(
-        _batch(tokenizer)
+        _batch(model.config.vocab_size)
     )
     routes = data.get(("routing", "experts"), as_list=True)
     assert [tuple(r.shape) for r in routes] == [(7, 4, 2), (8, 4, 2), (6, 4, 2), (7, 4, 2)]
@@ -139,8 +116,8 @@ def test_routing_volatility_counts_changed_sets():
     torch.testing.assert_close(routing_volatility(before, after, mask), expected)
 
 
-def test_replay_errors(moe):
-    model, replay, _ = _model(moe)
+def test_replay_errors():
+    model, replay, _ = _model()
     with pytest.raises(ValueError, match="4 MoE layers"):
         with replay.replay([torch.zeros(1, 2, 2, dtype=torch.long)]):
             pass
@@ -151,8 +128,8 @@ def test_replay_errors(moe):
         RoutingReplay(torch.nn.Linear(2, 2))
 
 
-def test_moe_example_runs_two_steps_of_each_configuration(moe, tmp_path):
-    _, moe_routing, _ = moe
+def test_moe_example_runs_two_steps_of_each_configuration(tmp_path):
+    moe_routing = example("moe_routing")
     summary = moe_routing.main(["--steps", "2", "--out", str(tmp_path), "--no-progress"])
     assert set(summary) == {"one_update", *moe_routing.RUNS}
     report = summary["one_update"]["without_replay"]

@@ -6,12 +6,15 @@
 
 from __future__ import annotations
 
+from torchrl_gspo._batch import Scores
+from torchrl_gspo.diagnostics import SequenceStatistics
 from torchrl_gspo.distributed import GlobalBatchStepper, all_reduce_diagnostics, set_sequence_scale
 from torchrl_gspo.gspo import GSPOLoss, GSPOLossOutput, GSPOTokenLoss, GSPOTokenLossOutput
 from torchrl_gspo.recompute import RecomputeOldLogProbs
+from torchrl_gspo.rollout import RolloutCorrection, RolloutTerms, rollout_terms
 from torchrl_gspo.routing import RecordRoutes, RoutingReplay, routing_volatility
 
-__version__ = "0.2.0"
+__version__ = "0.3.0.dev0"
 
 __all__ = [
     "GlobalBatchStepper",
@@ -21,8 +24,13 @@ __all__ = [
     "GSPOTokenLossOutput",
     "RecomputeOldLogProbs",
     "RecordRoutes",
+    "RolloutCorrection",
+    "RolloutTerms",
     "RoutingReplay",
+    "Scores",
+    "SequenceStatistics",
     "all_reduce_diagnostics",
+    "rollout_terms",
     "routing_volatility",
     "set_sequence_scale",
     "__version__",

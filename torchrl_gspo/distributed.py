@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,7 +17,8 @@ from tensordict.utils import NestedKey
 from torch import nn
 from torchrl.trainers import OptimizationStepper
 
-from torchrl_gspo.gspo import _N_MAXIMA, GSPOLossOutput, _diagnostics
+from torchrl_gspo.diagnostics import SequenceStatistics
+from torchrl_gspo.gspo import GSPOLossOutput
 
 __all__ = ["GlobalBatchStepper", "all_reduce_diagnostics", "set_sequence_scale"]
 
@@ -108,26 +110,28 @@ def all_reduce_diagnostics(
     low/high split, ``sequence_clip_fraction``, ``ESS``, ``sequence_log_ratio``,
     ``sequence_log_ratio_max_abs`` and the ``rollout_*`` fields) describe the batch
     of one call on one rank. This function reduces their sufficient statistics
-    (``diagnostics_sum`` and ``diagnostics_max``: counts, sums and maxima, two
-    collectives) over ``group`` and recomputes them, so that they equal the values
-    of one call on the union of the ranks' batches (sums of counts, not means of
-    means). The loss terms and GRPOLoss' own fields (``kl_approx``, ``entropy``,
-    ``kl_to_ref``, ``kl_to_inference``) stay local. To cover the micro-batches of
-    a step, reduce their statistics first: sum the ``diagnostics_sum`` and take
-    the elementwise maximum of the ``diagnostics_max`` of outputs with the same
-    layout.
+    (the output's ``stat_*`` fields, a :class:`~torchrl_gspo.SequenceStatistics`)
+    over ``group`` with :meth:`~torchrl_gspo.SequenceStatistics.all_reduce` (two
+    collectives) and recomputes them, so that they equal the values of one call on
+    the union of the ranks' batches. The loss terms and GRPOLoss' own fields
+    (``kl_approx``, ``entropy``, ``kl_to_ref``, ``kl_to_inference``) stay local.
+    To cover the micro-batches of a step, pass an output whose statistics combine
+    them (:meth:`~torchrl_gspo.SequenceStatistics.combine`), such as the metrics
+    of :class:`GlobalBatchStepper`.
 
     Call it on every rank of ``group``.
 
     Args:
-        output (GSPOLossOutput): a loss output on this rank.
+        output (GSPOLossOutput): a loss output on this rank, or any tensordict
+            holding its ``stat_*`` fields.
 
     Keyword Args:
         group (ProcessGroup, optional): the data-parallel group. Defaults to the
             default group.
 
     Returns:
-        GSPOLossOutput: a copy of ``output`` with the global diagnostics.
+        GSPOLossOutput: a copy of ``output`` with the global statistics and
+        diagnostics.
 
     Examples:
         >>> import torch
@@ -158,25 +162,9 @@ def all_reduce_diagnostics(
         >>> float(all_reduce_diagnostics(out).ESS) == float(out.ESS)
         True
     """
-    sums, maxima = output.diagnostics_sum, output.diagnostics_max
-    if sums is None or maxima is None:
-        raise ValueError(
-            "all_reduce_diagnostics needs a GSPOLoss output (diagnostics_sum and "
-            "diagnostics_max are missing)."
-        )
-    if _world(group) > 1:
-        maxima = maxima.clone()
-        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
-        # The logsumexp terms of the ESS, shifted by their global maximum and summed.
-        lse = slice(1, _N_MAXIMA)
-        shifted = (output.diagnostics_max[lse] - maxima[lse]).exp().nan_to_num(0.0)
-        reduced = torch.cat([sums, shifted])
-        dist.all_reduce(reduced, group=group)
-        sums, shifted = reduced[: sums.numel()], reduced[sums.numel() :]
-        maxima[lse] = maxima[lse] + shifted.log()
+    stats = SequenceStatistics.from_output(output).all_reduce(group)
     out = output.copy()
-    out.diagnostics_sum, out.diagnostics_max = sums, maxima
-    for name, value in _diagnostics(sums, maxima).items():
+    for name, value in stats.fields().items():
         out.set(name, value)
     return out
 
@@ -195,9 +183,11 @@ class GlobalBatchStepper(OptimizationStepper):
     trainer's own ``gradient_accumulation_steps`` (leave that at 1): set the
     replay buffer's batch size to the optimisation step's batch on a rank.
 
-    The trainer's logs receive the mean of the micro-batches' loss outputs and the
-    gradient norm; the diagnostics are this rank's, see
-    :func:`all_reduce_diagnostics` for global ones.
+    The trainer's logs receive the mean of the micro-batches' loss terms and of
+    GRPOLoss' own fields, the gradient norm, and the sequence-level diagnostics of
+    the rank's whole sub-batch (statistics combined over the micro-batches, see
+    :class:`~torchrl_gspo.SequenceStatistics`); :func:`all_reduce_diagnostics`
+    on these metrics gives the global ones.
 
     Args:
         optimizer (torch.optim.Optimizer): the optimiser of the (DDP- or
@@ -254,8 +244,8 @@ class GlobalBatchStepper(OptimizationStepper):
             sub_batch (TensorDictBase): this rank's batch of the step.
 
         Returns:
-            TensorDictBase: the mean of the micro-batches' detached loss outputs, and
-            ``grad_norm``.
+            TensorDictBase: the mean of the micro-batches' detached loss terms, the
+            sub-batch's diagnostics and ``grad_norm``.
         """
         rows = sub_batch.batch_size[0]
         if rows < self.gradient_accumulation_steps:
@@ -282,5 +272,11 @@ class GlobalBatchStepper(OptimizationStepper):
             {k: torch.stack([out.get(k) for out in outputs]).mean() for k in keys},
             batch_size=[],
         )
+        # the diagnostics of the step's batch: statistics combined, not averaged
+        if outputs[0].get("stat_tokens", None) is not None:
+            stats = functools.reduce(
+                SequenceStatistics.combine, map(SequenceStatistics.from_output, outputs)
+            )
+            metrics.update(stats.fields())
         metrics.set("grad_norm", grad_norm.detach())
         return metrics
