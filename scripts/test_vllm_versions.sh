@@ -12,4 +12,4 @@ python -m pip install --quiet --upgrade pip
 python -m pip install --quiet "torch==${TORCH_VERSION}"
 python -m pip install --quiet -e ".[tests]" "transformers==${TRANSFORMERS_VERSION}"
 python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-python -m pytest -q -p no:cacheprovider
+pytest -q

@@ -12,3 +12,10 @@ import torch
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+
+
+def pytest_report_header(config) -> str:
+    """Which copy of the package the suite tests (an installed wheel, or the tree)."""
+    import torchrl_gspo
+
+    return f"torchrl_gspo {torchrl_gspo.__version__}: {torchrl_gspo.__file__}"

@@ -15,7 +15,13 @@ import torch
 from gspo_testing import BigramActor, dense_batch, lazy_batch, make_rows
 from tensordict import lazy_stack
 
-from torchrl_gspo import GSPOLoss, GSPOLossOutput, GSPOTokenLoss, SequenceStatistics
+from torchrl_gspo import (
+    GSPOLoss,
+    GSPOLossOutput,
+    GSPOTokenLoss,
+    SequenceStatistics,
+    all_reduce_diagnostics,
+)
 from torchrl_gspo.diagnostics import PREFIX
 
 EPS = (0.02, 0.02)
@@ -167,3 +173,25 @@ def test_statistics_match_their_definitions():
     for name, value in expected.items():
         close(getattr(s, name), value)
     assert s.rollout_k3_sum is None
+
+
+def test_the_0_2_micro_batch_recipe_still_runs_with_a_warning():
+    """0.2's docs: sum diagnostics_sum, maximise diagnostics_max over micro-batches, set
+    them on an output, all_reduce_diagnostics. The aliases write through to the stat_*
+    fields; the counts-based diagnostics are then the union's (the ESS is not: that is
+    why the recipe is deprecated)."""
+    actor = BigramActor()
+    rows = make_rows(SHAPES, actor=actor, noise=0.03, seed=5)
+    loss_fn = loss(actor)
+    union = loss_fn(lazy_batch(rows))
+    parts = [loss_fn(lazy_batch(rows[a:b])) for a, b in ((0, 4), (4, 10))]
+    with pytest.warns(DeprecationWarning, match="deprecated"):
+        sums = sum(out.diagnostics_sum for out in parts)
+        maxima = torch.maximum(*(out.diagnostics_max for out in parts))
+    merged = parts[0].copy()
+    with pytest.warns(DeprecationWarning, match="deprecated"):
+        merged.diagnostics_sum, merged.diagnostics_max = sums, maxima
+    merged = all_reduce_diagnostics(merged)
+    for name in ("clip_fraction", "sequence_clip_fraction", "sequence_log_ratio"):
+        close(getattr(merged, name), getattr(union, name))
+    assert merged.stat_tokens == union.stat_tokens

@@ -443,6 +443,28 @@ def test_entropy_and_kl_terms_equal_grpos(kind, aggregation, strategy, threshold
         assert_close(getattr(gspo, name), getattr(grpo, name), torch.float64)
 
 
+def test_kl_to_inference_reads_the_rollout_left_padded():
+    """The KL to the inference policy aligns the rollout log-probs with the current ones
+    (left-padded) whatever ref_log_prob_padding_side says; GRPOLoss reads them with the
+    reference's padding side, which misaligns ragged rows."""
+    actor = BigramActor()
+    rows = make_rows(actor=actor, noise=0.01, seed=22, nan_prompt=False)
+    batch = lazy_batch(rows)
+    kwargs = {"kl_to_inference_coeff": 0.2, "entropy_bonus": False}
+    left = GSPOLoss(actor, **kwargs)(batch)
+    right = GSPOLoss(actor, ref_log_prob_padding_side="right", **kwargs)(batch)
+    current = actor.token_log_probs(padded(rows, "tokens", 0)).detach()
+    old = padded(rows, "old", 0.0)
+    mask = padded(rows, "response", False)
+    diff = torch.where(mask, old, 0.0) - torch.where(mask, current, 0.0)
+    expected = (diff.exp() - 1 - diff).mean()  # GRPOLoss' estimator, over all positions
+    for out in (left, right):
+        assert_close(out.kl_to_inference, expected, torch.float64)
+        assert_close(out.loss_kl_to_inference, 0.2 * expected, torch.float64)
+    grpo = GRPOLoss(actor, ref_log_prob_padding_side="right", **kwargs)(batch)
+    assert (grpo.kl_to_inference - expected).abs() > 1e-3
+
+
 def test_kl_mask_threshold_filters_aggregation_only():
     """KL-Mask drops tokens from the aggregation; the sequence ratio keeps all tokens.
 

@@ -400,7 +400,18 @@ def test_history_mode_with_rlhf_masking():
     assert mask.sum(-1).tolist() == expected
     assert torch.equal(seq, torch.zeros_like(seq))  # on-policy
 
+    # TorchRL's "rlhf" distribution writes ("tokens", "full") on the tensordict it is
+    # given: the loss hands it a copy, and the caller's rows keep their very tensors
+    rows_before = [
+        {k: (v, v.clone()) for k, v in row.items(True, True) if isinstance(v, torch.Tensor)}
+        for row in data.tensordicts
+    ]
     out = loss_fn(data)
+    for row, before in zip(data.tensordicts, rows_before, strict=True):
+        after = {k: v for k, v in row.items(True, True) if isinstance(v, torch.Tensor)}
+        assert after.keys() == before.keys()
+        for key, (tensor, values) in before.items():
+            assert after[key] is tensor and torch.equal(tensor, values), key
     assert out.loss_objective.isfinite()
     out.loss_objective.backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]

@@ -577,3 +577,67 @@ def test_copies_and_state_behave_as_grpos(loss_cls):
     empty = loss_cls(BigramActor()).to_empty(device="cpu")  # torch's recurse argument
     assert empty.clip_epsilon_low.dtype == torch.float64
     assert empty.actor_network.table.shape == actor.table.shape
+
+
+# ---------------------------------------------------------------------------------
+# Warnings point at the caller's line; dtypes of mixed-precision inputs
+# ---------------------------------------------------------------------------------
+def _half_batch(actor_dtype, old_dtype):
+    gen = torch.Generator().manual_seed(0)
+    current = -torch.rand(3, 20, generator=gen) - 0.5
+    old = current * (1 + 1e-3 * torch.randn(3, 20, generator=gen))
+    data = TensorDict(
+        {
+            ("tokens", "full"): torch.ones(3, 20, dtype=torch.long),
+            OLD: old.to(old_dtype),
+            "advantage": torch.tensor([1.0, -1.0, 0.5]).reshape(3, 1, 1),
+        },
+        batch_size=[3],
+    )
+    actor = LogProbActor(current.to(actor_dtype), torch.ones(3, 20, dtype=torch.bool))
+    return actor, data
+
+
+@pytest.mark.parametrize("loss_cls", LOSSES)
+def test_warnings_point_at_the_callers_line(loss_cls):
+    with pytest.warns(UserWarning, match="practically never clips") as caught:
+        loss_cls(BigramActor(), clip_epsilon=0.2)
+    with pytest.warns(UserWarning, match="weights each sequence by its length") as more:
+        loss_cls(BigramActor(), aggregation="token_mean")
+    actor, data = _half_batch(torch.bfloat16, torch.bfloat16)
+    with pytest.warns(UserWarning, match="bfloat16 log-probabilities") as half:
+        loss_cls(actor, entropy_bonus=False)(data)
+    out = loss_cls(BigramActor())(lazy_batch(make_rows(actor=BigramActor(), noise=0.01)))
+    with pytest.warns(DeprecationWarning, match="diagnostics_sum is deprecated") as old:
+        _ = out.diagnostics_sum
+    for record in (*caught, *more, *half, *old):
+        assert record.filename == __file__, (str(record.message)[:40], record.filename)
+
+
+@pytest.mark.parametrize(
+    "actor_dtype,old_dtype,expected,warns",
+    [
+        (torch.float32, torch.float64, torch.float64, False),
+        (torch.float64, torch.float32, torch.float64, False),
+        (torch.bfloat16, torch.float32, torch.float32, True),
+        (torch.float32, torch.float16, torch.float32, True),
+        (torch.bfloat16, torch.float64, torch.float64, True),
+    ],
+)
+def test_log_ratios_accumulate_in_the_promoted_dtype(actor_dtype, old_dtype, expected, warns):
+    """At least float32, the wider of the actor's and the old log-probs' dtypes; either
+    in half precision warns."""
+    actor, data = _half_batch(actor_dtype, old_dtype)
+    loss_fn = GSPOLoss(actor, entropy_bonus=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = loss_fn(data)
+    assert len(caught) == warns
+    half = actor_dtype if actor_dtype in (torch.bfloat16, torch.float16) else old_dtype
+    assert all(f"received {half} log-probabilities" in str(w.message) for w in caught)
+    assert out.sequence_log_ratio.dtype == expected == out.loss_objective.dtype
+    current = actor.log_probs.detach().to(expected)
+    old = data.get(OLD).to(expected)
+    mask = torch.ones_like(current, dtype=torch.bool)
+    advantage = data.get("advantage").reshape(-1).to(expected)
+    close(out.loss_objective, oracle_gspo_loss(current, old, mask, advantage, *PAPER_EPS))

@@ -2,16 +2,34 @@
 #
 # This source code is licensed under the MIT license found in the
 # LICENSE file in the root directory of this source tree.
-"""Checks of construction arguments: each error names the argument and the fix."""
+"""Checks of construction arguments (each error names the argument and the fix), and
+the package's warnings, attributed to the user's line."""
 
 from __future__ import annotations
 
 import math
 import numbers
+import os
+import sys
 import warnings
 from collections.abc import Sequence
 
+import tensordict
 import torch
+import torchrl
+
+_INTERNAL = tuple(
+    os.path.dirname(module.__file__) + os.sep for module in (torch, tensordict, torchrl)
+) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """A warning attributed to the first frame outside torch, tensordict, torchrl and
+    this package: the user's line, whatever calls the loss."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 def real(value, name: str) -> float:
@@ -64,26 +82,19 @@ def max_log_ratio(value) -> float | None:
     return value
 
 
-# Clip ranges above this are GRPO-scale: sequence-level clipping barely ever binds.
-LARGE_EPSILON = 0.01
-
-
-def warn_off_paper(name: str, given, eps: tuple[float, float], aggregation: str) -> None:
-    """Warns about settings that leave GSPO's objective: token_mean, a GRPO-scale range."""
+def warn_off_paper(loss, given, eps: tuple[float, float], wide: float, aggregation: str) -> None:
+    """Warns about settings that leave the loss' objective: token_mean, a wide clip range."""
+    name = type(loss).__name__
     if aggregation == "token_mean":
-        warnings.warn(
+        warn(
             f"{name} with aggregation='token_mean' averages over all tokens of the batch, "
             "which weights each sequence by its length: that is not GSPO's objective "
             "(Eq. 5, a mean over sequences). Use aggregation='prompt_mean' for the "
-            "paper's objective.",
-            UserWarning,
-            stacklevel=3,
+            "paper's objective."
         )
-    if max(eps) > LARGE_EPSILON:
-        warnings.warn(
+    if max(eps) > wide:
+        warn(
             f"{name} got clip_epsilon={given}: a token-level (GRPO/PPO-scale) range. "
             "Sequence ratios are geometric means and stay close to 1, so such a range "
-            "practically never clips them; the paper uses (3e-4, 4e-4), the default.",
-            UserWarning,
-            stacklevel=3,
+            "practically never clips them; the paper uses (3e-4, 4e-4), the default."
         )

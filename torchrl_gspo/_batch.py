@@ -12,12 +12,13 @@ tensordict.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase
 from tensordict.utils import NestedKey
+
+from torchrl_gspo import _arguments
 
 if TYPE_CHECKING:
     from torchrl_gspo.gspo import GSPOLoss
@@ -301,10 +302,10 @@ def _read_ref(tensordict: TensorDictBase, rows, loss: GSPOLoss) -> torch.Tensor 
     ref = _read(tensordict, rows, key)
     if ref is None:
         raise KeyError(
-            f"Couldn't find the ref log-prob {key} in the input data. "
-            f"{type(loss).__name__} reads the reference policy's log-probabilities "
-            "there for kl_to_ref_coeff; write them, or point the loss at their key with "
-            "loss.set_keys(ref_log_probs=...)."
+            f"Couldn't find the ref log-prob {key} in the input data "
+            f"({tensordict.keys(True)=}). {type(loss).__name__} reads the reference "
+            "policy's log-probabilities there for kl_to_ref_coeff; write them, or point "
+            "the loss at their key with loss.set_keys(ref_log_probs=...)."
         )
     ref = _left_pad(ref, loss.ref_log_prob_padding_value, loss.ref_log_prob_padding_side)
     return ref.squeeze(-1) if ref.ndim == 3 else ref
@@ -361,11 +362,11 @@ def loss_mask(
     if current.shape != batch.old.shape:
         keys = loss.tensor_keys
         raise ValueError(
-            f"{type(loss).__name__}: the actor's log-probabilities have shape "
-            f"{tuple(current.shape)} but the old ones at {keys.sample_log_prob!r} have "
-            f"shape {tuple(batch.old.shape)}. The actor must score the tokens at "
-            f"{keys.action!r}, one log-probability each; check its masking strategy "
-            "(masking_strategy='sft', 'rlhf' or 'generic')."
+            f"Shape mismatch detected in {type(loss).__name__}: current log-prob shape "
+            f"{current.shape} != previous log-prob shape {batch.old.shape} (read at "
+            f"{keys.sample_log_prob!r}). The actor must score the tokens at "
+            f"{keys.action!r}, one log-probability each; check that the masking strategy "
+            f"(masking_strategy={loss.masking_strategy!r}) matches the data."
         )
     kept = valid & batch.old.isfinite()
     if batch.rollout is not None:
@@ -603,6 +604,4 @@ def _raise_response_mismatch(
     )
     if loss.response_mask_check == "raise":
         raise ValueError(message)
-    # the frames: this function, check_scored, forward, Module._call_impl,
-    # Module._wrapped_call_impl, then the caller
-    warnings.warn(message, UserWarning, stacklevel=6)
+    _arguments.warn(message)

@@ -7,14 +7,13 @@
 from __future__ import annotations
 
 import math
-import warnings
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torchrl.objectives.llm.grpo import LLMLossOutput
 
+from torchrl_gspo import _arguments
 from torchrl_gspo.rollout import RolloutTerms
 
 __all__ = ["SequenceDiagnosticsOutput", "SequenceStatistics"]
@@ -311,39 +310,58 @@ class SequenceDiagnosticsOutput(LLMLossOutput):
     stat_rollout_max_abs: torch.Tensor | None = None
 
     @property
-    def diagnostics_sum(self) -> torch.Tensor | None:
-        """Deprecated (removed in 0.4): the sums of :attr:`statistics`, as one tensor."""
-        return self._legacy("diagnostics_sum", lambda n: not n.endswith(("max_abs", "lse")))
-
-    @property
-    def diagnostics_max(self) -> torch.Tensor | None:
-        """Deprecated (removed in 0.4): the maxima and log-sum-exps of :attr:`statistics`."""
-        return self._legacy("diagnostics_max", lambda n: n.endswith(("max_abs", "lse")))
-
-    @property
     def statistics(self) -> SequenceStatistics:
         """The call's :class:`~torchrl_gspo.SequenceStatistics` (its ``stat_*`` fields)."""
         return SequenceStatistics.from_output(self)
 
-    def _legacy(self, name: str, keep: Callable[[str], bool]) -> torch.Tensor | None:
-        warnings.warn(
+    @property
+    def diagnostics_sum(self) -> torch.Tensor | None:
+        """The sums of :attr:`statistics` as one tensor; deprecated, removed in 0.4."""
+        return self._get_legacy("diagnostics_sum", sums=True)
+
+    @diagnostics_sum.setter
+    def diagnostics_sum(self, value: torch.Tensor) -> None:
+        self._set_legacy("diagnostics_sum", value, sums=True)
+
+    @property
+    def diagnostics_max(self) -> torch.Tensor | None:
+        """The maxima and log-sum-exps of :attr:`statistics`; deprecated, removed in 0.4."""
+        return self._get_legacy("diagnostics_max", sums=False)
+
+    @diagnostics_max.setter
+    def diagnostics_max(self, value: torch.Tensor) -> None:
+        self._set_legacy("diagnostics_max", value, sums=False)
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        # a tensorclass honours the property setters of the class' own __dict__ only
+        for name in ("diagnostics_sum", "diagnostics_max"):
+            setattr(cls, name, SequenceDiagnosticsOutput.__dict__[name])
+
+    @staticmethod
+    def _legacy_names(name: str, sums: bool) -> list[str]:
+        _arguments.warn(
             f"GSPOLossOutput.{name} is deprecated and will be removed in 0.4: read the "
             "named statistics instead (output.statistics, or its stat_* fields).",
             DeprecationWarning,
-            stacklevel=3,
         )
-        if self.stat_tokens is None:
-            return None
-        stats = self.statistics
-        return torch.stack(
-            [v for n, v in zip(stats._fields, stats, strict=True) if v is not None and keep(n)]
-        )
+        return [n for n in SequenceStatistics._fields if (n in _MAXIMA + _LOG_SUMS) != sums]
+
+    def _get_legacy(self, name: str, sums: bool) -> torch.Tensor | None:
+        values = [self.get(PREFIX + n, None) for n in self._legacy_names(name, sums)]
+        values = [v for v in values if v is not None]
+        return torch.stack(values) if values else None
+
+    def _set_legacy(self, name: str, value: torch.Tensor, sums: bool) -> None:
+        # 0.2's layout: the main statistics, then the rollout ones when present
+        for field, entry in zip(self._legacy_names(name, sums), value.unbind(), strict=False):
+            setattr(self, PREFIX + field, entry)
 
 
 SequenceDiagnosticsOutput.__doc__ = """An LLM loss output with GSPO's sequence-level diagnostics.
 
 The base of :class:`~torchrl_gspo.GSPOLossOutput`: the fields that
-:meth:`SequenceStatistics.fields` fills, whose definitions are on the
+:meth:`~torchrl_gspo.SequenceStatistics.fields` fills, whose definitions are on the
 :doc:`/diagnostics` page.
 
 Examples:

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, fields
 from typing import ClassVar, Literal
 
@@ -58,7 +57,7 @@ Attributes:
         rollout_correction_weight (torch.Tensor): the engine mismatch and the
         rollout correction, set when the old log-probabilities were recomputed.
     stat_* (torch.Tensor): the :class:`~torchrl_gspo.SequenceStatistics` the
-        diagnostics are computed from (:attr:`statistics`).
+        diagnostics are computed from (``out.statistics``).
 
 Examples:
     >>> import torch
@@ -101,7 +100,7 @@ class GSPOLoss(GRPOLoss):
     the KL terms are :class:`~torchrl.objectives.llm.GRPOLoss`' own. Inputs and
     the three log-probability roles: :doc:`/inputs`; numerical care:
     :doc:`/math`; diagnostics: :doc:`/diagnostics`; variants override
-    :meth:`_objective` (:doc:`/design`).
+    ``_objective`` (:doc:`/design`).
 
     Args:
         actor_network (LLMWrapperBase): the policy, e.g. a
@@ -177,9 +176,10 @@ class GSPOLoss(GRPOLoss):
     """
 
     output_type: type[LLMLossOutput] = GSPOLossOutput
-    # "sequence": advantages must be constant over each sequence's valid tokens, and
-    # the objective reads them as [B, 1, 1]; "token": as the batch holds them.
+    # "sequence": advantages constant over each sequence, read as [B, 1, 1]; "token":
+    # as the batch holds them. A clip range above wide_clip_epsilon warns.
     advantage_level: ClassVar[Literal["sequence", "token"]] = "sequence"
+    wide_clip_epsilon: ClassVar[float] = 0.01
 
     def __init__(
         self,
@@ -204,8 +204,8 @@ class GSPOLoss(GRPOLoss):
         _arguments.choice("response_mask_check", response_mask_check, ("raise", "warn", "ignore"))
         aggregation = "prompt_mean" if aggregation is None else aggregation
         _arguments.choice("aggregation", aggregation, ("prompt_mean", "token_mean", "none"))
-        name = type(self).__name__
-        _arguments.warn_off_paper(name, clip_epsilon, (eps_low, eps_high), aggregation)
+        eps = (eps_low, eps_high)
+        _arguments.warn_off_paper(self, clip_epsilon, eps, self.wide_clip_epsilon, aggregation)
         super().__init__(
             actor_network,
             clip_epsilon=(eps_low, eps_high),
@@ -247,8 +247,7 @@ class GSPOLoss(GRPOLoss):
             self._in_keys.append(self.tensor_keys.old_log_prob)
 
     def _apply(self, fn, recurse: bool = True):
-        # The float64 clip buffers become float32 on a device without float64 (MPS),
-        # where moving them as they are would fail.
+        # the float64 clip buffers become float32 on a device without float64 (MPS)
         try:
             fn(torch.zeros((), dtype=torch.float64))
         except (TypeError, RuntimeError):
@@ -280,9 +279,10 @@ class GSPOLoss(GRPOLoss):
             GSPOLossOutput: the loss terms and diagnostics.
         """
         batch = _batch.read_batch(tensordict, self)
-        current, dist, _ = self._get_cur_log_prob(tensordict)
+        # the actor may write on what it gets (TorchRL's "rlhf" path does): a shallow copy
+        current, dist, _ = self._get_cur_log_prob(tensordict.copy())
         kept, mask = _batch.loss_mask(self, batch, current, dist.mask)
-        dtype = self._accumulation_dtype(current.dtype)
+        dtype = self._accumulation_dtype(current.dtype, batch.old.dtype)
         scores, varies = _batch.score(batch, current, mask, dtype, self.advantage_level)
         _batch.check_scored(
             self,
@@ -326,22 +326,20 @@ class GSPOLoss(GRPOLoss):
         loss, _ = self._compute_policy_objective(log_ratio.reshape(-1, 1, 1), scores.advantage)
         return loss
 
-    def _accumulation_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """``float32`` for half-precision log-probabilities (warned once), else ``dtype``."""
-        if dtype not in _HALF_DTYPES:
-            return dtype
-        if not self._warned_half_precision and not torch.compiler.is_compiling():
+    def _accumulation_dtype(self, current: torch.dtype, old: torch.dtype) -> torch.dtype:
+        """The log-probs' promoted dtype, at least float32; half precision warns once."""
+        half = next((t for t in (current, old) if t in _HALF_DTYPES), None)
+        warn = half is not None and not self._warned_half_precision
+        if warn and not torch.compiler.is_compiling():
             low, high = self.clip_epsilon_low.item(), self.clip_epsilon_high.item()
-            warnings.warn(
-                f"{type(self).__name__} received {dtype} log-probabilities. Their "
+            _arguments.warn(
+                f"{type(self).__name__} received {half} log-probabilities. Their "
                 f"rounding error is of the order of GSPO's clip range ({low:g}, {high:g}); "
                 "the sequence reduction accumulates in float32, but prefer float32 "
-                "log-probabilities (e.g. compute the log-softmax in float32).",
-                UserWarning,
-                stacklevel=5,  # forward, Module._call_impl, _wrapped_call_impl, caller
+                "log-probabilities (e.g. compute the log-softmax in float32)."
             )
             self._warned_half_precision = True
-        return torch.float32
+        return torch.promote_types(torch.promote_types(current, old), torch.float32)
 
     def _kl_filter(self, scores: Scores) -> torch.Tensor:
         """GRPOLoss' KL-Mask: the loss mask without tokens far from the old policy."""
