@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
@@ -80,6 +81,12 @@ class BigramActor(TensorDictModuleBase):
         previous = torch.cat([torch.full_like(tokens[..., :1], PAD), tokens[..., :-1]], -1)
         log_probs = torch.log_softmax(self.table[previous], dim=-1)
         return log_probs.gather(-1, tokens.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+
+
+def fields_of(output) -> dict[str, torch.Tensor]:
+    """Every field the output class declares that is set on ``output``."""
+    names = (f.name for f in dataclasses.fields(type(output)))
+    return {name: value for name in names if (value := getattr(output, name)) is not None}
 
 
 def build_loss(loss_cls, actor, **kwargs):

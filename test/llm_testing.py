@@ -7,12 +7,14 @@
 from __future__ import annotations
 
 import importlib.util
+import string
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import torch
-from tokenizers import Tokenizer, models
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from torchrl.data.llm.history import _CHAT_TEMPLATES
 from torchrl.modules.llm import TransformersWrapper
 from transformers import (
     PreTrainedTokenizerFast,
@@ -33,6 +35,25 @@ def word_tokenizer(size: int = 24) -> PreTrainedTokenizerFast:
         pad_token="t0",
         eos_token="t1",
     )
+
+
+def chatml_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per printable ASCII character and ChatML's special tokens, with
+    TorchRL's ChatML chat template: any chat history renders and round-trips."""
+    specials = ["<pad>", "<|im_start|>", "<|im_end|>"]
+    vocab = {token: i for i, token in enumerate(specials + list(string.printable))}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens(specials)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=specials[0],
+        eos_token=specials[2],
+        additional_special_tokens=[specials[1]],
+    )
+    tokenizer.chat_template = _CHAT_TEMPLATES["chatml_format"]
+    return tokenizer
 
 
 def _common(tokenizer: PreTrainedTokenizerFast, tie: bool) -> dict:

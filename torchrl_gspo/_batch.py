@@ -334,7 +334,9 @@ class Scores(NamedTuple):
             log-probabilities were recomputed).
         mask: ``[B, T]`` the loss mask.
         lengths: ``[B]`` :math:`|y_i|`, the valid tokens of each sequence.
-        log_ratio: ``[B]`` :math:`\\log s_i`, the masked mean of ``current - old``.
+        token_log_ratio: ``[B, T]`` ``current - old``, the token log-ratios.
+        log_ratio: ``[B]`` :math:`\\log s_i`, the mean of ``token_log_ratio`` over each
+            sequence's valid tokens.
         advantage: ``[B, 1, 1]`` (one per sequence) or ``[B, T, 1]`` (per token,
             :class:`GSPOTokenLoss`).
     """
@@ -344,6 +346,7 @@ class Scores(NamedTuple):
     rollout: torch.Tensor
     mask: torch.Tensor
     lengths: torch.Tensor
+    token_log_ratio: torch.Tensor
     log_ratio: torch.Tensor
     advantage: torch.Tensor
 
@@ -403,11 +406,13 @@ def score(
     if batch.rollout is not None:
         rollout = torch.where(mask, batch.rollout.to(dtype), 0.0)
     lengths = mask.sum(-1)
-    log_ratio = (current - old).sum(-1) / lengths.clamp_min(1).to(dtype)
+    token_log_ratio = current - old
+    log_ratio = token_log_ratio.sum(-1) / lengths.clamp_min(1).to(dtype)
     advantage, varies = batch.advantage, None
     if advantage_level == "sequence" and advantage.shape[-2] > 1:
         advantage, varies = sequence_advantage(advantage, mask)
-    return Scores(current, old, rollout, mask, lengths, log_ratio, advantage), varies
+    scores = Scores(current, old, rollout, mask, lengths, token_log_ratio, log_ratio, advantage)
+    return scores, varies
 
 
 def sequence_weight(batch: Batch, correction: torch.Tensor | None) -> torch.Tensor | None:

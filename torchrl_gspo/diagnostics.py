@@ -316,7 +316,7 @@ class SequenceDiagnosticsOutput(LLMLossOutput):
 
     @property
     def diagnostics_sum(self) -> torch.Tensor | None:
-        """The sums of :attr:`statistics` as one tensor; deprecated, removed in 0.4."""
+        """The sums of the ``stat_*`` fields as one tensor; deprecated, removed in 0.4."""
         return self._get_legacy("diagnostics_sum", sums=True)
 
     @diagnostics_sum.setter
@@ -325,7 +325,7 @@ class SequenceDiagnosticsOutput(LLMLossOutput):
 
     @property
     def diagnostics_max(self) -> torch.Tensor | None:
-        """The maxima and log-sum-exps of :attr:`statistics`; deprecated, removed in 0.4."""
+        """The maxima and log-sum-exps of the ``stat_*`` fields; deprecated, removed in 0.4."""
         return self._get_legacy("diagnostics_max", sums=False)
 
     @diagnostics_max.setter

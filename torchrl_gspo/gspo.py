@@ -305,7 +305,7 @@ class GSPOLoss(GRPOLoss):
         objective = self._objective(scores)
         out = {
             "loss_objective": self._aggregate(objective, aggregation_mask, weight, tensordict),
-            "kl_approx": (scores.old - scores.current).detach().mean(),
+            "kl_approx": -scores.token_log_ratio.detach().mean(),
             **stats.fields(),
             **self._regularisers(batch, current, dist, aggregation_mask, weight, tensordict),
         }
@@ -346,7 +346,7 @@ class GSPOLoss(GRPOLoss):
         threshold = self.kl_mask_threshold
         if threshold is None or threshold <= 0:
             return scores.mask
-        drift = 0.5 * (scores.current - scores.old).detach() ** 2
+        drift = 0.5 * scores.token_log_ratio.detach() ** 2
         return scores.mask & (drift <= threshold)
 
     def _aggregate(
@@ -485,13 +485,11 @@ class GSPOTokenLoss(GSPOLoss):
         log_ratio = scores.log_ratio.detach()
         log_ratio = log_ratio.clamp(min=torch.finfo(log_ratio.dtype).min, max=self.max_log_ratio)
         log_ratio = log_ratio.unsqueeze(-1)
-        # no gradient on masked tokens, nor on sequences clamped at max_log_ratio
-        keep = scores.mask
-        if self.max_log_ratio is not None:
-            keep = keep & (log_ratio < self.max_log_ratio)
-        # a token of probability 0 gives its sequence ratio 0 and no gradient, as in
-        # GSPOLoss: its -inf - (-inf) = NaN becomes 0, gradient included
-        token = (scores.current - scores.current.detach()).nan_to_num(0.0) * keep
+        # 0 off the mask (scores are); a token of probability 0 gives its sequence ratio
+        # 0 and no gradient, as in GSPOLoss: its -inf - (-inf) = NaN becomes 0
+        token = (scores.current - scores.current.detach()).nan_to_num(0.0)
+        if self.max_log_ratio is not None:  # no gradient where GSPOLoss clamps either
+            token = token * (log_ratio < self.max_log_ratio)
         loss, _ = self._compute_policy_objective(
             (log_ratio + token).unsqueeze(-1), scores.advantage
         )
