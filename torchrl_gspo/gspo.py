@@ -208,7 +208,7 @@ class GSPOLoss(GRPOLoss):
         _arguments.warn_off_paper(self, clip_epsilon, eps, self.wide_clip_epsilon, aggregation)
         super().__init__(
             actor_network,
-            clip_epsilon=(eps_low, eps_high),
+            clip_epsilon=eps,
             aggregation=aggregation,
             masking_strategy=masking_strategy,
             **kwargs,
