@@ -25,8 +25,9 @@ rows, as TorchRL's LLM collectors hand them out).
 Protocol, chosen so that the machine's drift cannot pass a goal: the cases run in
 ``--processes`` fresh processes, one after the other, each with ``--threads`` torch
 threads. Within a process the three losses are timed in interleaved repeats (GRPO,
-GSPO, GSPO-token, GRPO, ...), each repeat a block of calls lasting about
-``--block-ms``; a loss' time is its fastest block (per call). A ratio is GSPO's time
+GSPO, GSPO-token, then GSPO, GSPO-token, GRPO, ...: the order rotates), each repeat a
+block of calls lasting about ``--block-ms``; a loss' time is its fastest block (per
+call). A ratio is GSPO's time
 over GRPO's *in the same process*; each goal is checked against the worst process.
 The fixed overhead is GSPO's time minus GRPO's per call, in microseconds, at 16x1024
 (the goal's size) and at 4x64 (where per-token work vanishes).
@@ -223,9 +224,10 @@ def time_case(case: Case, repeats: int, block_s: float) -> dict:
         raise RuntimeError(f"{case}: GSPOLoss and GSPOTokenLoss disagree: {losses}")
     number = max(1, round(block_s / _block(fns["GRPOLoss"], data, 1, cuda)))
     best = dict.fromkeys(fns, float("inf"))
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            best[name] = min(best[name], _block(fn, data, number, cuda))
+    names = list(fns)
+    for repeat in range(repeats):  # interleaved, the order rotated at every repeat
+        for name in names[repeat % 3 :] + names[: repeat % 3]:
+            best[name] = min(best[name], _block(fns[name], data, number, cuda))
     result = {"seconds": best, "calls_per_block": number, "valid_tokens": int(mask.sum())}
     if case.mode == "compiled":
         result["graphs"] = graphs(case, data, current, mask)

@@ -56,6 +56,13 @@ def chatml_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+def allow_only(tokenizer: PreTrainedTokenizerFast, characters: str) -> list[list[int]]:
+    """``bad_words_ids`` that ban every token but ``characters`` and end-of-sequence."""
+    allowed = {tokenizer.convert_tokens_to_ids(c) for c in characters}
+    allowed.add(tokenizer.eos_token_id)
+    return [[i] for i in range(len(tokenizer)) if i not in allowed]
+
+
 def _common(tokenizer: PreTrainedTokenizerFast, tie: bool) -> dict:
     return {
         "vocab_size": len(tokenizer),

@@ -195,3 +195,12 @@ def test_the_0_2_micro_batch_recipe_still_runs_with_a_warning():
     for name in ("clip_fraction", "sequence_clip_fraction", "sequence_log_ratio"):
         close(getattr(merged, name), getattr(union, name))
     assert merged.stat_tokens == union.stat_tokens
+
+
+def test_deprecated_aliases_refuse_a_layout_of_another_length():
+    actor = BigramActor()
+    out = loss(actor)(lazy_batch(make_rows(SHAPES, actor=actor, noise=0.03, seed=6)))
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="holds 9 or 14 values"):
+        out.diagnostics_sum = torch.zeros(10)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="holds 3 or 4 values"):
+        out.diagnostics_max = torch.zeros(3, 1)

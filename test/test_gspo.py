@@ -403,7 +403,7 @@ def _regulariser_batch(kind, rows, decoupled):
 REGULARISER_MODES = [
     (kind, aggregation, strategy, threshold, decoupled)
     for kind in ("lazy", "dense")
-    for aggregation in ("prompt_mean", "token_mean")
+    for aggregation in ("prompt_mean", "token_mean", "none")
     for strategy in ("sft", "rlhf")
     for threshold, decoupled in ((None, False), (2e-5, False), (None, True))
 ]
@@ -423,20 +423,20 @@ def test_entropy_and_kl_terms_equal_grpos(kind, aggregation, strategy, threshold
         "kl_to_inference_coeff": 0.2,
     }
     grpo = GRPOLoss(actor, clip_epsilon=PAPER_EPS, **kwargs)(batch)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "GSPOLoss with aggregation='token_mean'")
-        gspo = GSPOLoss(actor, **kwargs)(batch)
+    gspo = build_loss(GSPOLoss, actor, **kwargs)(batch)
     if threshold is not None:  # the filter drops some tokens, not all
         _, old, mask, _ = oracle_inputs(actor, rows)
         current = actor.token_log_probs(padded(rows, "tokens", 0)).detach()
         kept = mask & (0.5 * (current - old) ** 2 <= threshold)
         assert 0 < kept.sum() < mask.sum()
     for name in ("loss_entropy", "loss_kl_to_ref", "loss_kl_to_inference"):
-        ours, theirs = getattr(gspo, name), getattr(grpo, name).reshape(())
-        assert ours.shape == ()
+        ours, theirs = getattr(gspo, name), getattr(grpo, name)
+        if aggregation == "prompt_mean":  # GRPOLoss returns shape (1,), GSPOLoss ()
+            theirs = theirs.reshape(())
+        assert ours.shape == theirs.shape
         assert_close(ours, theirs, torch.float64)
         ours_grad, theirs_grad = (
-            torch.autograd.grad(v, actor.table, retain_graph=True)[0] for v in (ours, theirs)
+            torch.autograd.grad(v.sum(), actor.table, retain_graph=True)[0] for v in (ours, theirs)
         )
         assert_close(ours_grad, theirs_grad, torch.float64)
     for name in ("entropy", "kl_to_ref", "kl_to_inference"):
@@ -616,27 +616,49 @@ def test_compile_matches_eager():
     )
 
 
+def _graphs(loss_fn, batch):
+    with warnings.catch_warnings():
+        # torch's own, when dynamo inspects the actor's parameters
+        warnings.filterwarnings("ignore", "The .grad attribute of a Tensor that is not a leaf")
+        explained = torch._dynamo.explain(loss_fn)(batch)
+    return explained.graph_count, explained.graph_break_count
+
+
 def test_compiled_forward_is_one_graph():
     """No graph break: GSPO's forward compiles to one graph, GRPOLoss' to more."""
     actor = BigramActor()
     batch = dense_batch(make_rows(actor=actor, noise=1e-3, seed=16))
-
-    def graphs(loss_fn):
-        with warnings.catch_warnings():
-            # torch's own, when dynamo inspects the actor's parameters
-            warnings.filterwarnings("ignore", "The .grad attribute of a Tensor that is not a leaf")
-            explained = torch._dynamo.explain(loss_fn)(batch)
-        return explained.graph_count, explained.graph_break_count
-
-    grpo_graphs, _ = graphs(GRPOLoss(actor, entropy_bonus=False, aggregation="prompt_mean"))
+    grpo = GRPOLoss(actor, entropy_bonus=False, aggregation="prompt_mean")
+    assert _graphs(grpo, batch)[0] > 1  # its ESS indexes with a boolean mask
     for loss_cls in (GSPOLoss, GSPOTokenLoss):
-        assert graphs(build_loss(loss_cls, actor, entropy_bonus=False)) == (1, 0)
-    assert grpo_graphs >= 1
+        assert _graphs(build_loss(loss_cls, actor, entropy_bonus=False), batch) == (1, 0)
 
 
-@pytest.mark.parametrize("bad", ["advantage", "old_log_prob"])
+def test_every_path_compiles_to_one_graph():
+    """Per-token advantages, recomputed old log-probs with a correction, a sequence
+    scale and the KL terms: still one graph, no break. The entropy bonus adds the breaks
+    of TorchRL's masked categorical entropy, which GRPOLoss has as well."""
+    actor = BigramActor()
+    rows = make_rows(actor=actor, noise=1e-3, seed=17, nan_prompt=False)
+    batch = dense_batch(rows, advantage_per_token=True)
+    old = batch.get(("log_probs", "full"))
+    batch.set(("old_log_probs", "full"), old)
+    batch.set(("log_probs", "full"), old - 1e-3)
+    batch.set(("next", "ref_log_probs", "full"), old - 0.01)
+    batch.set("sequence_scale", torch.full((len(rows),), 1 / len(rows), dtype=torch.float64))
+    kwargs = {"kl_to_ref_coeff": 0.1, "kl_to_inference_coeff": 0.1}
+    grpo = _graphs(GRPOLoss(actor, aggregation="prompt_mean", **kwargs), batch)
+    for loss_cls in (GSPOLoss, GSPOTokenLoss):
+        loss_fn = build_loss(loss_cls, actor, rollout_correction="truncate", **kwargs)
+        assert _graphs(loss_fn, batch)[0] <= grpo[0], loss_cls  # entropy bonus on
+        loss_fn.entropy_bonus = False
+        assert _graphs(loss_fn, batch) == (1, 0), loss_cls
+
+
+@pytest.mark.parametrize("bad", ["advantage", "old_log_prob", "sequence_scale"])
 def test_compiled_loss_still_rejects_bad_input(bad):
-    """In-graph checks: a NaN advantage, or a NaN old log-prob inside a response."""
+    """In-graph checks: a NaN advantage, a NaN old log-prob inside a response, a
+    negative sequence scale."""
     actor = BigramActor()
     rows = make_rows(actor=actor, noise=1e-3, seed=16)
     batch = dense_batch(rows)
@@ -644,6 +666,8 @@ def test_compiled_loss_still_rejects_bad_input(bad):
         advantage = batch["advantage"].clone()
         advantage[1] = float("nan")
         batch.set("advantage", advantage)
+    elif bad == "sequence_scale":
+        batch.set("sequence_scale", torch.tensor([1.0, -1.0, 1.0, 1.0, 1.0, 1.0]) / 6)
     else:
         old = batch["log_probs", "full"].clone()
         old[0, -1] = float("nan")  # row 0's last token is a response token
@@ -766,7 +790,7 @@ def test_input_is_not_mutated(kind, per_token):
 
 @pytest.mark.parametrize("kind", ["lazy", "dense"])
 def test_missing_ref_log_prob_raises_grpos_error(kind):
-    """The call's private entries leave the batch's keys readable for GRPOLoss' message."""
+    """GRPOLoss' exception type and leading words, from both losses."""
     actor = BigramActor()
     batch = make_batch(kind, make_rows(actor=actor, noise=0.01, seed=1))
     with pytest.raises(KeyError, match="Couldn't find the ref log-prob"):

@@ -14,13 +14,14 @@ import warnings
 
 import pytest
 import torch
-from llm_testing import example
+from llm_testing import allow_only, chatml_tokenizer, example, tiny_qwen
 from tensordict import TensorDict, lazy_stack
 from torchrl.modules.llm import TransformersWrapper
 from tqdm import tqdm
 
 from torchrl_gspo import GSPOLoss, RecomputeOldLogProbs
 
+ANSWERS = "abcdefgh"  # what a sampled response may hold, besides end-of-turn
 gspo_toy = example("gspo_toy")
 engine_mismatch = example("engine_mismatch")
 
@@ -37,7 +38,7 @@ def sample_tokens(tokenizer, model, seed: int):
         generate_kwargs={
             "max_new_tokens": 8,
             "do_sample": True,
-            "bad_words_ids": gspo_toy.banned_token_ids(tokenizer),
+            "bad_words_ids": allow_only(tokenizer, ANSWERS),
         },
     )
     torch.manual_seed(seed)
@@ -49,8 +50,8 @@ def sample_tokens(tokenizer, model, seed: int):
 @pytest.fixture(scope="module")
 def setup():
     """Ragged responses sampled in tokens mode, with the example's tokenizer and model."""
-    tokenizer = gspo_toy.build_tokenizer()
-    model = gspo_toy.build_model(tokenizer, seed=0)
+    tokenizer = chatml_tokenizer()
+    model = tiny_qwen(tokenizer, seed=0)
     out = sample_tokens(tokenizer, model, seed=1)
     rows = []
     for i, (p, r) in enumerate(
@@ -359,16 +360,16 @@ def test_history_mode_with_rlhf_masking():
     from torchrl.data.llm import History
     from torchrl.modules.llm.policies import ChatHistory
 
-    tokenizer = gspo_toy.build_tokenizer()
-    model = gspo_toy.build_model(tokenizer, seed=0)
+    tokenizer = chatml_tokenizer()
+    model = tiny_qwen(tokenizer, seed=0)
     eos = tokenizer.eos_token_id
     # favour the end-of-turn token so that responses end at different lengths
     eos_bias = torch.zeros(len(tokenizer))
     eos_bias[eos] = 2.0
     model.lm_head.register_forward_hook(lambda module, args, output: output + eos_bias)
     common = {"tokenizer": tokenizer, "input_mode": "history", "pad_output": False}
-    common["chat_template_name"] = gspo_toy.CHAT_TEMPLATE
-    banned = gspo_toy.banned_token_ids(tokenizer)
+    common["chat_template_name"] = "chatml_format"
+    banned = allow_only(tokenizer, ANSWERS)
     generator = TransformersWrapper(
         model,
         generate=True,
@@ -494,7 +495,7 @@ def test_pad_token_equal_to_eos_loses_the_sampled_eos():
     padding), so |y_i| misses the last token. A distinct pad token keeps it."""
     from transformers import PreTrainedTokenizerFast
 
-    base = gspo_toy.build_tokenizer()
+    base = chatml_tokenizer()
     same = PreTrainedTokenizerFast(
         tokenizer_object=base.backend_tokenizer,
         pad_token="<|im_end|>",
@@ -502,7 +503,7 @@ def test_pad_token_equal_to_eos_loses_the_sampled_eos():
         additional_special_tokens=["<|im_start|>"],
     )
     assert same.pad_token_id == same.eos_token_id
-    responses = _sample_with_eos_bias(same, gspo_toy.build_model(same, seed=0))
+    responses = _sample_with_eos_bias(same, tiny_qwen(same, seed=0))
     # rows that stopped before the token budget did sample EOS, yet none holds it
     assert any(r.numel() < 8 for r in responses)
     assert not any((r == same.eos_token_id).any() for r in responses)
@@ -511,7 +512,7 @@ def test_pad_token_equal_to_eos_loses_the_sampled_eos():
     # of the vocabulary works too), with the model's embeddings resized to it
     same.add_special_tokens({"pad_token": "<|pad|>"})
     assert same.pad_token_id != same.eos_token_id
-    model = gspo_toy.build_model(same, seed=0)
+    model = tiny_qwen(same, seed=0)
     responses = _sample_with_eos_bias(same, model)
     stopped = [r for r in responses if r.numel() < 8]
     assert stopped and all(int(r[-1]) == same.eos_token_id for r in stopped)

@@ -190,10 +190,9 @@ def test_nan_prompt_prefix_is_accepted(kind, strategy, mask_name):
 # ---------------------------------------------------------------------------------
 def _per_token_terms(loss_cls, policy, data, **kwargs):
     """The loss' per-token terms -min(r A, clip(r) A) (aggregation="none"), [B, T]."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # a clip range that never binds
-        loss_fn = loss_cls(policy, aggregation="none", entropy_bonus=False, **kwargs)
-    return loss_fn(data).loss_objective.detach().squeeze(-1)
+    kwargs.update(aggregation="none", entropy_bonus=False)
+    build = build_loss if loss_cls is not GRPOLoss else lambda cls, *a, **k: cls(*a, **k)
+    return build(loss_cls, policy, **kwargs)(data).loss_objective.detach().squeeze(-1)
 
 
 def test_wrapper_first_token_log_prob_is_not_scored_with_generic_masking():
@@ -629,3 +628,19 @@ def test_log_ratios_accumulate_in_the_promoted_dtype(actor_dtype, old_dtype, exp
     mask = torch.ones_like(current, dtype=torch.bool)
     advantage = data.get("advantage").reshape(-1).to(expected)
     close(out.loss_objective, oracle_gspo_loss(current, old, mask, advantage, *PAPER_EPS))
+
+
+@pytest.mark.parametrize("loss_cls", LOSSES)
+def test_an_overflowing_sequence_log_ratio_raises(loss_cls):
+    """Finite log-probs whose differences overflow float32: an error, not a silent loss."""
+    current = -torch.rand(3, 6)
+    old = current.clone()
+    old[1, 2:] = -3e38  # finite, absurd: current - old sums to +inf in float32
+    data = TensorDict(
+        {("tokens", "full"): torch.ones(3, 6, dtype=torch.long), OLD: old},
+        batch_size=[3],
+    )
+    data.set("advantage", torch.ones(3, 1, 1))
+    actor = LogProbActor(current, torch.ones(3, 6, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"not finite in batch row\(s\) \[1\].*overflow"):
+        loss_cls(actor, entropy_bonus=False)(data)

@@ -7,12 +7,12 @@
 from __future__ import annotations
 
 import math
-import warnings
 
 import pytest
 import torch
 from gspo_testing import (
     BigramActor,
+    build_loss,
     dense_batch,
     fields_of,
     lazy_batch,
@@ -120,15 +120,14 @@ def oracle_decoupled(actor, rows, eps, correction, form, threshold, aggregation=
 
 
 def loss(correction, form, threshold, loss_cls=GSPOLoss, actor=None, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # wide clip ranges warn
-        return loss_cls(
-            actor,
-            rollout_correction=correction,
-            rollout_correction_form=form,
-            rollout_correction_threshold=threshold,
-            **kwargs,
-        )
+    return build_loss(
+        loss_cls,
+        actor,
+        rollout_correction=correction,
+        rollout_correction_form=form,
+        rollout_correction_threshold=threshold,
+        **kwargs,
+    )
 
 
 # ---------------------------------------------------------------------------------

@@ -61,9 +61,10 @@ def _rows(tensordict: TensorDictBase) -> list[TensorDictBase] | None:
 
 def _read_rows(rows: list[TensorDictBase], key: NestedKey) -> list[torch.Tensor] | None:
     """One tensor per row, or None when a row lacks ``key``."""
-    if rows[0].get(key, None) is None:  # the common case of an absent key: one read
+    first = rows[0].get(key, None)
+    if first is None:  # the common case of an absent key: one read
         return None
-    values = [row.get(key, None) for row in rows]
+    values = [first, *(row.get(key, None) for row in rows[1:])]
     return None if any(v is None for v in values) else values
 
 
@@ -72,7 +73,8 @@ def _read(tensordict: TensorDictBase, rows: list[TensorDictBase] | None, key: Ne
     return tensordict.get(key, None) if rows is None else _read_rows(rows, key)
 
 
-def _left_pad(values, value: float, side: str = "left") -> torch.Tensor:
+def _pad(values, value: float, side: str = "left") -> torch.Tensor:
+    """Row tensors padded into one (on ``side``); a dense tensor as it is."""
     if isinstance(values, torch.Tensor):
         return values
     return torch.nn.utils.rnn.pad_sequence(
@@ -125,9 +127,9 @@ def read_batch(tensordict: TensorDictBase, loss: GSPOLoss) -> Batch:
         )
     width = tokens.shape[-1] if lengths is None else max(lengths)
     advantage, has_value = _read_advantage(advantage, size, width, loss)
-    sample = _left_pad(sample, 0.0)
+    sample = _pad(sample, 0.0)
     return Batch(
-        old=sample if old is None else _left_pad(old, 0.0),
+        old=sample if old is None else _pad(old, 0.0),
         rollout=None if old is None else sample,
         advantage=advantage,
         has_value=has_value,
@@ -223,7 +225,7 @@ def _stacked_advantage(rows: list[torch.Tensor]) -> torch.Tensor | None:
     if all(row.ndim >= 1 for row in rows):
         # Integer rows are cast before the NaN padding, which they cannot hold.
         dtype = torch.get_default_dtype()
-        return _left_pad([r if r.is_floating_point() else r.to(dtype) for r in rows], math.nan)
+        return _pad([r if r.is_floating_point() else r.to(dtype) for r in rows], math.nan)
     return None
 
 
@@ -285,13 +287,8 @@ def _read_scale(scale, size: int, loss: GSPOLoss) -> torch.Tensor | None:
             "set_sequence_scale writes it."
         )
     scale = scale.reshape(size)
-    if not scale.is_floating_point():
-        scale = scale.to(torch.get_default_dtype())
-    if not (scale.isfinite() & (scale >= 0)).all():
-        raise ValueError(
-            f"{name}: the sequence scale at {key!r} must be finite and >= 0, got {scale.tolist()}."
-        )
-    return scale
+    # its values (finite, >= 0) are checked with the scored values: one synchronisation
+    return scale if scale.is_floating_point() else scale.to(torch.get_default_dtype())
 
 
 def _read_ref(tensordict: TensorDictBase, rows, loss: GSPOLoss) -> torch.Tensor | None:
@@ -307,7 +304,7 @@ def _read_ref(tensordict: TensorDictBase, rows, loss: GSPOLoss) -> torch.Tensor 
             "policy's log-probabilities there for kl_to_ref_coeff; write them, or point "
             "the loss at their key with loss.set_keys(ref_log_probs=...)."
         )
-    ref = _left_pad(ref, loss.ref_log_prob_padding_value, loss.ref_log_prob_padding_side)
+    ref = _pad(ref, loss.ref_log_prob_padding_value, loss.ref_log_prob_padding_side)
     return ref.squeeze(-1) if ref.ndim == 3 else ref
 
 
@@ -364,10 +361,11 @@ def loss_mask(
     """
     if current.shape != batch.old.shape:
         keys = loss.tensor_keys
+        old_key = keys.sample_log_prob if batch.rollout is None else keys.old_log_prob
         raise ValueError(
             f"Shape mismatch detected in {type(loss).__name__}: current log-prob shape "
             f"{current.shape} != previous log-prob shape {batch.old.shape} (read at "
-            f"{keys.sample_log_prob!r}). The actor must score the tokens at "
+            f"{old_key!r}). The actor must score the tokens at "
             f"{keys.action!r}, one log-probability each; check that the masking strategy "
             f"(masking_strategy={loss.masking_strategy!r}) matches the data."
         )
@@ -491,6 +489,8 @@ def check_scored(
         ok = ok & ~(mask & ~batch.has_value).any(-1)
     if varies is not None:
         ok = ok & ~varies
+    if batch.scale is not None:
+        ok = ok & batch.scale.isfinite() & (batch.scale >= 0)
     response = None
     if batch.response_lengths is not None:
         response = lengths != batch.response_lengths
@@ -502,15 +502,24 @@ def check_scored(
         torch._assert_async(
             ok.all(),
             f"{type(loss).__name__}: invalid input (non-finite old or rollout "
-            "log-probabilities on response tokens, NaN current log-probabilities, or "
-            "advantages that are missing, not finite or varying within a sequence); "
-            "run the loss eagerly for the details.",
+            "log-probabilities on response tokens, NaN current log-probabilities, "
+            "advantages that are missing, not finite or varying within a sequence, or a "
+            "sequence scale that is not finite and >= 0); run the loss eagerly for the "
+            "details.",
         )
         return
     if not ok.all():
         _raise_bad_log_probs(loss, batch, valid, kept, mask, current)
         _raise_bad_advantage(loss, batch, mask, varies)
+        _raise_bad_scale(loss, batch)
         _raise_response_mismatch(loss, lengths, batch.response_lengths, response)
+        rows = (~ok).nonzero().squeeze(-1).tolist()
+        raise ValueError(
+            f"{type(loss).__name__}: the sequence log-ratio is not finite in batch row(s) "
+            f"{rows} although every log-probability is: the current minus the old "
+            "log-probabilities overflow. Check the old log-probabilities at "
+            f"{loss.tensor_keys.sample_log_prob!r} (and {loss.tensor_keys.old_log_prob!r})."
+        )
     if response is not None and loss.response_mask_check == "warn" and response.any():
         _raise_response_mismatch(loss, lengths, batch.response_lengths, response)
 
@@ -585,6 +594,16 @@ def _raise_bad_advantage(
             f"row(s) {varies.nonzero().squeeze(-1).tolist()}. GSPO needs one "
             "advantage per sequence; for per-token advantages use GSPOTokenLoss "
             "(GSPO-token, paper section 4.3)."
+        )
+
+
+def _raise_bad_scale(loss: GSPOLoss, batch: Batch) -> None:
+    scale = batch.scale
+    if scale is not None and not (scale.isfinite() & (scale >= 0)).all():
+        raise ValueError(
+            f"{type(loss).__name__}: the sequence scale at "
+            f"{loss.tensor_keys.sequence_scale!r} must be finite and >= 0, got "
+            f"{scale.tolist()}."
         )
 
 

@@ -32,7 +32,8 @@ _ROLLOUT = (
 )
 
 
-def _world(group: dist.ProcessGroup | None) -> int:
+def world_size(group: dist.ProcessGroup | None) -> int:
+    """The size of ``group``; 1 without an initialised process group."""
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
@@ -196,7 +197,7 @@ class SequenceStatistics(NamedTuple):
         Returns:
             SequenceStatistics: the statistics of the union of the ranks' batches.
         """
-        if _world(group) == 1:
+        if world_size(group) == 1:
             return self
         names = [n for n, v in zip(self._fields, self, strict=True) if v is not None]
         maxima = [n for n in names if n in _MAXIMA or n in _LOG_SUMS]
@@ -317,20 +318,24 @@ class SequenceDiagnosticsOutput(LLMLossOutput):
     @property
     def diagnostics_sum(self) -> torch.Tensor | None:
         """The sums of the ``stat_*`` fields as one tensor; deprecated, removed in 0.4."""
-        return self._get_legacy("diagnostics_sum", sums=True)
+        _warn_legacy("diagnostics_sum")
+        return self._get_legacy(sums=True)
 
     @diagnostics_sum.setter
     def diagnostics_sum(self, value: torch.Tensor) -> None:
-        self._set_legacy("diagnostics_sum", value, sums=True)
+        _warn_legacy("diagnostics_sum")
+        self._set_legacy(value, sums=True)
 
     @property
     def diagnostics_max(self) -> torch.Tensor | None:
         """The maxima and log-sum-exps of the ``stat_*`` fields; deprecated, removed in 0.4."""
-        return self._get_legacy("diagnostics_max", sums=False)
+        _warn_legacy("diagnostics_max")
+        return self._get_legacy(sums=False)
 
     @diagnostics_max.setter
     def diagnostics_max(self, value: torch.Tensor) -> None:
-        self._set_legacy("diagnostics_max", value, sums=False)
+        _warn_legacy("diagnostics_max")
+        self._set_legacy(value, sums=False)
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -338,24 +343,35 @@ class SequenceDiagnosticsOutput(LLMLossOutput):
         for name in ("diagnostics_sum", "diagnostics_max"):
             setattr(cls, name, SequenceDiagnosticsOutput.__dict__[name])
 
-    @staticmethod
-    def _legacy_names(name: str, sums: bool) -> list[str]:
-        _arguments.warn(
-            f"GSPOLossOutput.{name} is deprecated and will be removed in 0.4: read the "
-            "named statistics instead (output.statistics, or its stat_* fields).",
-            DeprecationWarning,
-        )
-        return [n for n in SequenceStatistics._fields if (n in _MAXIMA + _LOG_SUMS) != sums]
-
-    def _get_legacy(self, name: str, sums: bool) -> torch.Tensor | None:
-        values = [self.get(PREFIX + n, None) for n in self._legacy_names(name, sums)]
+    def _get_legacy(self, sums: bool) -> torch.Tensor | None:
+        values = [self.get(PREFIX + n, None) for n in _legacy_names(sums)]
         values = [v for v in values if v is not None]
         return torch.stack(values) if values else None
 
-    def _set_legacy(self, name: str, value: torch.Tensor, sums: bool) -> None:
-        # 0.2's layout: the main statistics, then the rollout ones when present
-        for field, entry in zip(self._legacy_names(name, sums), value.unbind(), strict=False):
-            setattr(self, PREFIX + field, entry)
+    def _set_legacy(self, value: torch.Tensor, sums: bool) -> None:
+        # 0.2's layout: the main statistics, then the rollout ones when decoupled
+        names = _legacy_names(sums)
+        main = len([n for n in names if n not in _ROLLOUT])
+        if value.ndim != 1 or value.numel() not in (main, len(names)):
+            raise ValueError(
+                f"0.2's {'diagnostics_sum' if sums else 'diagnostics_max'} holds {main} or "
+                f"{len(names)} values, got shape {tuple(value.shape)}."
+            )
+        for name, entry in zip(names, value.unbind(), strict=False):
+            setattr(self, PREFIX + name, entry)
+
+
+def _legacy_names(sums: bool) -> list[str]:
+    """The statistics in 0.2's ``diagnostics_sum`` (or ``diagnostics_max``) order."""
+    return [n for n in SequenceStatistics._fields if (n in _MAXIMA + _LOG_SUMS) != sums]
+
+
+def _warn_legacy(name: str) -> None:
+    _arguments.warn(
+        f"GSPOLossOutput.{name} is deprecated and will be removed in 0.4: read the named "
+        "statistics instead (output.statistics, or its stat_* fields).",
+        DeprecationWarning,
+    )
 
 
 SequenceDiagnosticsOutput.__doc__ = """An LLM loss output with GSPO's sequence-level diagnostics.

@@ -17,14 +17,10 @@ from tensordict.utils import NestedKey
 from torch import nn
 from torchrl.trainers import OptimizationStepper
 
-from torchrl_gspo.diagnostics import SequenceStatistics
+from torchrl_gspo.diagnostics import SequenceStatistics, world_size
 from torchrl_gspo.gspo import GSPOLossOutput
 
 __all__ = ["GlobalBatchStepper", "all_reduce_diagnostics", "set_sequence_scale"]
-
-
-def _world(group: dist.ProcessGroup | None) -> int:
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
 def set_sequence_scale(
@@ -83,7 +79,7 @@ def set_sequence_scale(
         tensor([0.2500], dtype=torch.float64)
     """
     count = torch.tensor(float(sum(mb.batch_size[0] for mb in micro_batches)), dtype=torch.float64)
-    world = _world(group)
+    world = world_size(group)
     if world > 1:
         dist.all_reduce(count, group=group)
     total = int(count.item())

@@ -36,12 +36,10 @@ class GSPOLossOutput(SequenceDiagnosticsOutput):
 # set it afterwards so that help() and the API docs show it.
 GSPOLossOutput.__doc__ = """GSPO loss output: the loss terms, which a trainer sums, and diagnostics.
 
-Every field is a 0-dim tensor, detached except the ``loss_*`` terms; no diagnostic
-name starts with ``loss_``, so trainers that sum the ``loss_*`` entries do not pick
-them up. A field that does not apply is ``None``. ``clip_fraction`` and ``ESS``
-keep :class:`~torchrl.objectives.llm.LLMLossOutput`'s names but are computed at the
-sequence level; each diagnostic is defined, with its healthy values, on the
-:doc:`/diagnostics` page.
+The ``loss_*`` terms are 0-dim unless ``aggregation`` or ``reduction`` is ``"none"``;
+the diagnostics are detached 0-dim tensors (``None`` where they do not apply) whose
+names never start with ``loss_``, so trainers that sum the ``loss_*`` entries leave
+them out. Their definitions and healthy values: :doc:`/diagnostics`.
 
 Attributes:
     loss_objective (torch.Tensor): the clipped objective, negated (Eq. 5 with
@@ -213,33 +211,39 @@ class GSPOLoss(GRPOLoss):
             masking_strategy=masking_strategy,
             **kwargs,
         )
-        # GRPOLoss stores the clip range in float32, where 3e-4 is off by ~1e-11:
-        # keep the user's values exactly (they stay schedulable buffers; see _apply).
+        # float64, exact (GRPOLoss' float32 3e-4 is off by ~1e-11); still buffers
         for buffer, value in zip(_CLIP_BUFFERS, (eps_low, eps_high), strict=True):
             device = getattr(self, buffer).device
             setattr(self, buffer, torch.tensor(value, dtype=torch.float64, device=device))
         self.max_log_ratio = max_log_ratio
         self.response_mask_check = response_mask_check
-        self.rollout_correction = rollout_correction
-        self.rollout_correction_form = rollout_correction_form
-        self._correction = correction
+        self._correction, self._correction_form = correction, rollout_correction_form
         # Warn-once flag: it only silences a repeated warning, never changes a result.
         self._warned_half_precision = False
 
     @dataclass
     class _AcceptedKeys(GRPOLoss._AcceptedKeys):
-        r"""Tensordict keys: GRPOLoss' own, the old log-probs and the sequence scale.
+        r"""Tensordict keys: GRPOLoss' own, and (:doc:`/inputs`):
 
         Attributes:
-            old_log_prob (NestedKey): the trainer's recomputed old log-probabilities
-                (:doc:`/inputs`). Defaults to ``("old_log_probs", "full")``.
-            sequence_scale (NestedKey): one value :math:`c_i` per row, written by
-                :func:`~torchrl_gspo.set_sequence_scale` (:doc:`/scaling`).
+            old_log_prob (NestedKey): the trainer's recomputed old log-probabilities.
+                Defaults to ``("old_log_probs", "full")``.
+            sequence_scale (NestedKey): :math:`c_i` per row (:doc:`/scaling`).
                 Defaults to ``"sequence_scale"``.
         """
 
         old_log_prob: NestedKey = ("old_log_probs", "full")
         sequence_scale: NestedKey = "sequence_scale"
+
+    @property
+    def rollout_correction(self) -> Literal["truncate", "mask"] | None:
+        """The rollout correction, fixed at construction (:class:`RolloutCorrection`)."""
+        return None if self._correction is None else self._correction.mode
+
+    @property
+    def rollout_correction_form(self) -> Literal["geometric", "sequence"]:
+        """The form of the rollout correction's ratio, fixed at construction."""
+        return self._correction_form
 
     def _set_in_keys(self):
         super()._set_in_keys()
