@@ -52,11 +52,15 @@ Usage::
     # data-parallel on 2 CPU processes (gloo): DDP and GSPO's global normalisation
     torchrun --nproc-per-node 2 examples/gspo_toy.py --loss gspo --out outputs/ddp
 
-Under ``torchrun`` each rank samples its own prompts (seed + rank) and responses,
-``model.model`` is wrapped in ``DistributedDataParallel``, and GRPOTrainer steps with
+Under ``torchrun`` each rank samples its own prompts (seed + rank) and responses, the
+whole model is wrapped in ``DistributedDataParallel`` for scoring and training (the
+generator runs the unwrapped model: DDP has no ``generate``), and GRPOTrainer steps with
 :class:`~torchrl_gspo.GlobalBatchStepper`, so that each step's loss is the mean over
 the sequences of all ranks; rank 0 writes the summary and plot from its own batches,
-each rank its ``metrics_<loss>_rank<r>.jsonl``.
+each rank its ``metrics_<loss>_rank<r>.jsonl``, and the summary reports the largest
+difference between the ranks' weights at the end (0 when they stayed in sync).
+``--untie-head`` gives the model an output head of its own (``Qwen2Config``'s
+default) instead of one tied to the embeddings.
 
 Outputs in ``--out``: ``metrics_<loss>.jsonl`` (one line per step: reward, loss,
 clip_fraction, ESS, mean sequence log-ratio, response length, ...), ``summary.json``
@@ -72,6 +76,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import random
@@ -132,7 +137,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen2ForCausalLM:
+def build_model(
+    tokenizer: PreTrainedTokenizerFast, seed: int, tie: bool = True
+) -> Qwen2ForCausalLM:
     """A randomly initialised two-layer Qwen2, seeded; ``seed`` also seeds sampling."""
     torch.manual_seed(seed)
     config = Qwen2Config(
@@ -145,7 +152,7 @@ def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen2ForCausal
         max_position_embeddings=64,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie,
     )
     return Qwen2ForCausalLM(config).eval()  # eval: no dropout, deterministic ratios
 
@@ -302,19 +309,20 @@ def build_pipeline(
     ``postproc_fn`` wraps the collector's postproc (e.g. to record MoE routes).
     """
     tokenizer = build_tokenizer()
-    model = (model_fn or build_model)(tokenizer, args.seed)
+    model_fn = model_fn or functools.partial(build_model, tie=not args.untie_head)
+    model = model_fn(tokenizer, args.seed)
     rank, world = data_parallel()
-    stepper = None
+    scored = model
     if world > 1:
         # Data-parallel: each rank samples its own prompts and responses; DDP averages
-        # the gradients, and GlobalBatchStepper makes the step's loss the mean over all
-        # ranks' sequences (one all_reduce per optimisation step).
+        # the gradients of the whole model (an untied output head included), and
+        # GlobalBatchStepper makes the step's loss the mean over all ranks' sequences.
         torch.manual_seed(args.seed + rank)
-        # No buffer broadcast at each forward: generation runs a different number of
+        # No buffer sync at each forward: generation runs a different number of
         # forwards on each rank, and every DDP collective must be matched across ranks.
-        model.model = DistributedDataParallel(model.model, broadcast_buffers=False)
+        scored = DistributedDataParallel(model, forward_sync_buffers=False)
     engine = model if engine_dtype is None else inference_copy(model, engine_dtype)
-    policy = scoring_wrapper(model, tokenizer)
+    policy = scoring_wrapper(scored, tokenizer)
     if engine is model:
         postproc = RecomputeOldLogProbs(policy, out_key="log_probs")
     else:
@@ -357,14 +365,15 @@ def build_pipeline(
     )
     loss_fn = build_loss(loss_name, policy, **(loss_kwargs or {}))
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    stepper = None  # TorchRL's default stepper
     if world > 1:
-        stepper = GlobalBatchStepper(optimizer, clip_norm=None)
+        stepper = GlobalBatchStepper(optimizer, clip_norm=None, model=scored)
     trainer = GRPOTrainer(
         collector=collector,
         total_frames=total,
         loss_module=loss_fn,
         optimizer=optimizer,
-        optimization_stepper=stepper,  # None: TorchRL's default stepper
+        optimization_stepper=stepper,
         replay_buffer=buffer,
         weight_sync_sender=None,  # same process: the engine is synced below
         empty_replay_buffer_on_weight_update=True,  # on-policy batches: flush after use
@@ -466,7 +475,21 @@ def train(loss_name: str, args: argparse.Namespace, out_dir: Path) -> list[dict]
             pipeline.trainer.train()
         finally:
             handle.remove()
+    if world > 1:
+        metrics.records[-1]["rank_divergence"] = rank_divergence(pipeline.model)
     return metrics.records
+
+
+def rank_divergence(model: torch.nn.Module) -> float:
+    """The largest difference between a weight and rank 0's copy of it, over all ranks
+    (0 when data parallelism kept the ranks in sync)."""
+    worst = torch.zeros((), dtype=torch.float64)
+    for param in model.parameters():
+        reference = param.detach().clone()
+        dist.broadcast(reference, src=0)
+        worst = torch.maximum(worst, (param.detach() - reference).abs().max().double())
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return float(worst)
 
 
 def _mean(values: list[float | None]) -> float | None:
@@ -526,6 +549,8 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
             ),
             "seconds": records[-1]["elapsed_s"],
         }
+        if "rank_divergence" in records[-1]:  # under torchrun
+            summary[name]["rank_divergence"] = records[-1]["rank_divergence"]
     if "gspo" in summary and "grpo" in summary and summary["grpo"]["clip_fraction_mean"] > 0:
         summary["clip_fraction_ratio_gspo_over_grpo"] = (
             summary["gspo"]["clip_fraction_mean"] / summary["grpo"]["clip_fraction_mean"]
@@ -551,6 +576,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument(
+        "--untie-head",
+        action="store_true",
+        help="an output head of its own (Qwen2Config's default), not tied to the embeddings",
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = parser.parse_args(argv)
     if args.minibatches < 1 or (args.prompts * args.group_size) % args.minibatches:

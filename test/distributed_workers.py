@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import math
 import os
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from gspo_testing import BigramActor, build_loss, lazy_batch
 from llm_testing import tiny_qwen, training_wrapper, word_tokenizer
 from tensordict import lazy_stack
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from torchrl_gspo import (
@@ -91,39 +93,101 @@ def _bigram(spec: dict, rank: int, dtype: torch.dtype) -> dict:
         parts = [SequenceStatistics.from_output(loss_fn(batch)) for batch in micro]
     combined = functools.reduce(SequenceStatistics.combine, parts).all_reduce()
     results["combined"] = combined.fields()
-    # GlobalBatchStepper (TorchRL's stepper protocol): one SGD step of lr 1
+    # GlobalBatchStepper (TorchRL's stepper protocol): one SGD step of lr 1, gradients
+    # reduced at each micro-batch, then once per step (model=...: no_sync)
+    for option in ("stepper", "stepper_no_sync"):
+        update, metrics, reductions = _stepper_step(spec, rows, dtype, option == "stepper_no_sync")
+        results[f"{option}_update"], results[f"{option}_reductions"] = update, reductions
+        results[f"{option}_grad_norm"] = metrics["grad_norm"]
+        results[f"{option}_loss_share"] = metrics["loss_objective"]
+    return results
+
+
+def _stepper_step(spec, rows, dtype, defer: bool, poison: bool = False):
+    """One GlobalBatchStepper step (K = 3, SGD lr 1) of a DDP bigram actor whose
+    gradient reductions are counted; ``poison`` makes this rank's loss infinite."""
     actor = DDPBigramActor(dtype=dtype, seed=spec["seed"])
+    calls = {"n": 0}
+
+    def counting(state, bucket):
+        state["n"] += 1
+        return allreduce_hook(None, bucket)
+
+    actor.net.register_comm_hook(calls, counting)
     table = actor.net.module.table
     before = table.detach().clone()
+    model = actor.net if defer else None
+    optimizer = torch.optim.SGD([table], lr=1.0)
     stepper = GlobalBatchStepper(
-        torch.optim.SGD([table], lr=1.0), gradient_accumulation_steps=3, clip_norm=None
+        optimizer, gradient_accumulation_steps=3, clip_norm=None, model=model
     )
     loss_fn = build_loss(GSPOLoss, actor, clip_epsilon=spec["eps"], entropy_bonus=False)
 
     class Trainer:
-        compute_loss = staticmethod(loss_fn)
+        @staticmethod
+        def compute_loss(batch):
+            out = loss_fn(batch)
+            return out.set("loss_objective", out.loss_objective * math.inf) if poison else out
 
     metrics = stepper.step(Trainer(), lazy_batch(rows))
-    results["stepper_update"] = (before - table.detach()).clone()
-    results["stepper_grad_norm"] = metrics["grad_norm"]
+    return (before - table.detach()).clone(), metrics, calls["n"]
+
+
+def _failures(spec: dict, rank: int, world: int) -> dict:
+    """What every rank sees when one rank's input is wrong: the same error, no hang."""
+    rows = spec["rows"][spec["split"][rank] : spec["split"][rank + 1]]
+    results = {}
+    # rank 0 holds 3 rows: 4 micro-batches leave one of its micro-batches empty
+    actor = DDPBigramActor(dtype=torch.float64, seed=spec["seed"])
+    stepper = GlobalBatchStepper(
+        torch.optim.SGD([actor.net.module.table], lr=1.0), gradient_accumulation_steps=4
+    )
+    results["empty_micro_batch"] = _error(lambda: stepper.step(None, lazy_batch(rows)))
+    # a process group without this rank (every rank builds it; rank 0 is its member)
+    group = dist.new_group([0])
+    batch = lazy_batch(rows)
+    results["scale_outside_group"] = _error(lambda: set_sequence_scale(batch, group=group))
+    out = build_loss(GSPOLoss, actor, clip_epsilon=spec["eps"])(lazy_batch(rows))
+    results["diagnostics_outside_group"] = _error(lambda: all_reduce_diagnostics(out, group=group))
+    # an infinite loss on the last rank only: every rank skips the step
+    update, metrics, _ = _stepper_step(spec, rows, torch.float64, False, rank == world - 1)
+    results["poisoned_update"], results["poisoned_skipped"] = update, metrics["skipped"]
     return results
 
 
-def _qwen(spec: dict, rank: int, fsdp: bool) -> dict:
+def _error(call) -> str | None:
+    try:
+        call()
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def _qwen(spec: dict, rank: int, wrap: str, tie: bool = True) -> dict:
+    """Gradients of GSPO's loss over the rank's rows of a tiny Qwen2, wrapped for data
+    parallelism: "fsdp" (fully_shard), "ddp" (the whole model, the recipe) or
+    "ddp_backbone" (DDP on model.model only, the recipe of 0.2)."""
     tokenizer = word_tokenizer()
-    model = tiny_qwen(tokenizer, seed=spec["qwen_seed"]).double()
-    if fsdp:
+    model = tiny_qwen(tokenizer, seed=spec["qwen_seed"], tie=tie).double()
+    scored = model
+    if wrap == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(model)
+    elif wrap == "ddp":
+        scored = DistributedDataParallel(model)
     else:
         model.model = DistributedDataParallel(model.model)
-    policy = training_wrapper(model, tokenizer)
+    policy = training_wrapper(scored, tokenizer)
     rows = spec["qwen_rows"][spec["split"][rank] : spec["split"][rank + 1]]
     batch = lazy_stack([row.clone() for row in rows], 0)
     set_sequence_scale([batch])
     out = build_loss(GSPOLoss, policy, clip_epsilon=spec["eps"], entropy_bonus=False)(batch)
     out.loss_objective.backward()
+    return _full_grads(model)
+
+
+def _full_grads(model) -> dict:
     grads = {}
     for name, param in model.named_parameters():
         grad = param.grad
@@ -131,6 +195,30 @@ def _qwen(spec: dict, rank: int, fsdp: bool) -> dict:
             grad = grad.full_tensor()
         grads[name.replace("model.module.", "model.")] = grad.detach().clone()
     return grads
+
+
+def _qwen_fsdp_stepper(spec: dict, rank: int) -> dict:
+    """GlobalBatchStepper(model=fsdp_model): gradient sync deferred to the last of two
+    micro-batches; the SGD (lr 1) update is minus the gradient."""
+    from torch.distributed.fsdp import fully_shard
+
+    tokenizer = word_tokenizer()
+    model = tiny_qwen(tokenizer, seed=spec["qwen_seed"], tie=False).double()
+    fully_shard(model)
+    before = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    policy = training_wrapper(model, tokenizer)
+    loss_fn = build_loss(GSPOLoss, policy, clip_epsilon=spec["eps"], entropy_bonus=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    stepper = GlobalBatchStepper(
+        optimizer, gradient_accumulation_steps=2, clip_norm=None, model=model
+    )
+
+    class Trainer:
+        compute_loss = staticmethod(loss_fn)
+
+    rows = spec["qwen_rows"][spec["split"][rank] : spec["split"][rank + 1]]
+    stepper.step(Trainer(), lazy_stack([row.clone() for row in rows], 0))
+    return {n: before[n] - p.full_tensor().detach() for n, p in model.named_parameters()}
 
 
 def worker(rank: int, world: int, port: int, directory: str) -> None:
@@ -146,10 +234,14 @@ def worker(rank: int, world: int, port: int, directory: str) -> None:
         results = {
             "bigram64": _bigram(spec, rank, torch.float64),
             "bigram32": _bigram(spec, rank, torch.float32),
+            "failures": _failures(spec, rank, world),
         }
         if spec.get("qwen_rows") is not None:
-            results["qwen_ddp"] = _qwen(spec, rank, fsdp=False)
-            results["qwen_fsdp"] = _qwen(spec, rank, fsdp=True)
+            results["qwen_ddp"] = _qwen(spec, rank, "ddp_backbone")
+            results["qwen_fsdp"] = _qwen(spec, rank, "fsdp")
+            results["qwen_untied_ddp"] = _qwen(spec, rank, "ddp", tie=False)
+            results["qwen_untied_backbone"] = _qwen(spec, rank, "ddp_backbone", tie=False)
+            results["qwen_untied_fsdp_stepper"] = _qwen_fsdp_stepper(spec, rank)
         torch.save(results, path / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()

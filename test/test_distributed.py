@@ -127,7 +127,10 @@ def _check_bigram(results, spec, world):
             r = result[name]
             torch.testing.assert_close(r["global"], expected, rtol=tol, atol=tol)
             torch.testing.assert_close(r["accumulated"], expected, rtol=tol, atol=tol)
-            torch.testing.assert_close(r["stepper_update"], expected, rtol=tol, atol=tol)
+            for option in ("stepper", "stepper_no_sync"):
+                torch.testing.assert_close(r[f"{option}_update"], expected, rtol=tol, atol=tol)
+            # one gradient reduction per micro-batch (3), or one per step with no_sync
+            assert (r["stepper_reductions"], r["stepper_no_sync_reductions"]) == (3, 1)
             torch.testing.assert_close(r["local"], documented, rtol=tol, atol=tol)
             assert (r["local"] - expected).abs().max() > 100 * tol  # the difference is real
             assert set(r["diagnostics"]) == set(r["combined"]) == set(union_out.statistics.fields())
@@ -135,6 +138,11 @@ def _check_bigram(results, spec, world):
                 union = getattr(union_out, key).detach()
                 torch.testing.assert_close(value, union, rtol=tol, atol=tol)
                 torch.testing.assert_close(r["combined"][key], union, rtol=tol, atol=tol)
+            # each rank logs its share of the loss; their sum over R is the global loss
+            shares = sum(result[name]["stepper_loss_share"] for result in results) / world
+            torch.testing.assert_close(
+                shares, union_out.loss_objective.detach(), rtol=tol, atol=tol
+            )
             if rank == 0:  # rank 0's own diagnostics differ from the global ones
                 assert any(
                     not torch.equal(r["local_diagnostics"][k], r["diagnostics"][k])
@@ -142,36 +150,87 @@ def _check_bigram(results, spec, world):
                 )
 
 
-def test_two_processes_ddp_and_fsdp(tmp_path):
-    results, spec = _run(2, tmp_path, qwen=True)
-    _check_bigram(results, spec, 2)
-    rows, model, tokenizer = _qwen_rows(seed=7)
-    # Eq. 5 on the union batch, (1/N) sum_i loss_i. The transformer's padded forward
-    # depends on the padding width at about 1e-9 (float64 kernels on other shapes),
-    # so each rank's rows are forwarded together, as in the workers, on one thread.
+def _check_failures(results, world):
+    """One rank's bad input: every rank raises the same error (none waits); a rank
+    outside a group is refused; an infinite loss on one rank skips the step on all."""
+    for rank, result in enumerate(results):
+        r = result["failures"]
+        assert r["empty_micro_batch"].startswith(
+            "set_sequence_scale: 1 micro-batch(es) of the step hold no row"
+        ), rank
+        for key in ("scale_outside_group", "diagnostics_outside_group"):
+            assert (r[key] is None) == (rank == 0), (key, rank)
+            if rank:
+                assert f"global rank {rank}) is not in the process group" in r[key]
+        assert r["poisoned_skipped"] == 1.0 and not r["poisoned_update"].any(), rank
+    assert world == len(results)
+
+
+def _groups(split, micro_batches: int = 1) -> list[tuple[int, int]]:
+    """The row ranges forwarded together: each rank's rows, cut as the stepper cuts them."""
+    groups = []
+    for a, b in zip(split[:-1], split[1:], strict=True):
+        for part in torch.arange(a, b).tensor_split(micro_batches):
+            groups.append((int(part[0]), int(part[-1]) + 1))
+    return groups
+
+
+def _qwen_reference(rows, tie: bool, groups) -> dict:
+    """The gradient of Eq. 5 on the union batch, (1/N) sum_i loss_i. The transformer's
+    padded forward depends on the padding width at about 1e-9 (float64 kernels on other
+    shapes), so the rows are forwarded in the groups the workers forward together, on
+    one thread."""
+    tokenizer = word_tokenizer()
+    model = tiny_qwen(tokenizer, seed=7, tie=tie).double()
     policy = training_wrapper(model, tokenizer)
     loss_fn = build_loss(GSPOLoss, policy, clip_epsilon=EPS, entropy_bonus=False)
-    split, threads = SPLITS[2], torch.get_num_threads()
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         loss = sum(
             loss_fn(lazy_stack(rows[a:b], 0)).loss_objective * (b - a) / len(rows)
-            for a, b in zip(split[:-1], split[1:], strict=True)
+            for a, b in groups
         )
     finally:
         torch.set_num_threads(threads)
     names, params = zip(*model.named_parameters(), strict=True)
-    expected = dict(zip(names, torch.autograd.grad(loss, params), strict=True))
+    return dict(zip(names, torch.autograd.grad(loss, params), strict=True))
+
+
+def _assert_grads(got, expected, kind):
+    assert set(got) == set(expected), kind
+    for name, grad in expected.items():
+        difference = float((got[name] - grad).abs().max())
+        torch.testing.assert_close(
+            got[name], grad, rtol=1e-12, atol=1e-12, msg=f"{kind} {name}: {difference:.2e}"
+        )
+
+
+def test_two_processes_ddp_and_fsdp(tmp_path):
+    results, spec = _run(2, tmp_path, qwen=True)
+    _check_bigram(results, spec, 2)
+    _check_failures(results, 2)
+    rows, _, _ = _qwen_rows(seed=7)
+    tied = _qwen_reference(rows, True, _groups(SPLITS[2]))
+    untied = _qwen_reference(rows, False, _groups(SPLITS[2]))
+    stepped = _qwen_reference(rows, False, _groups(SPLITS[2], micro_batches=2))
     for result in results:
-        for kind in ("qwen_ddp", "qwen_fsdp"):
-            assert set(result[kind]) == set(expected), kind
-            for name, grad in expected.items():
-                torch.testing.assert_close(result[kind][name], grad, rtol=1e-12, atol=1e-12)
+        _assert_grads(result["qwen_ddp"], tied, "qwen_ddp")
+        _assert_grads(result["qwen_fsdp"], tied, "qwen_fsdp")
+        # an untied head: DDP on the whole model (the recipe) is exact ...
+        _assert_grads(result["qwen_untied_ddp"], untied, "qwen_untied_ddp")
+        # ... and so is the stepper's FSDP2 step with its gradient sync deferred
+        _assert_grads(result["qwen_untied_fsdp_stepper"], stepped, "qwen_untied_fsdp_stepper")
+    # ... DDP on the backbone only leaves each rank its own lm_head gradient: drift
+    heads = [result["qwen_untied_backbone"]["lm_head.weight"] for result in results]
+    assert not torch.allclose(heads[0], heads[1])
+    assert not torch.allclose(heads[0], untied["lm_head.weight"])
 
 
 def test_three_processes_ddp(tmp_path):
     results, spec = _run(3, tmp_path, qwen=False)
     _check_bigram(results, spec, 3)
+    _check_failures(results, 3)
 
 
 def test_example_trains_under_torchrun(tmp_path):
@@ -197,6 +256,7 @@ def test_example_trains_under_torchrun(tmp_path):
         "--out",
         str(tmp_path),
         "--no-progress",
+        "--untie-head",  # an output head of its own: DDP must wrap the whole model
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=150, env=env)
@@ -208,4 +268,6 @@ def test_example_trains_under_torchrun(tmp_path):
     assert [len(records) for records in ranks] == [2, 2]
     # each rank sampled its own prompts: its own batches and rewards
     assert ranks[0][0]["reward"] != ranks[1][0]["reward"]
-    assert json.loads((tmp_path / "summary.json").read_text())["gspo"]["steps"] == 2
+    summary = json.loads((tmp_path / "summary.json").read_text())["gspo"]
+    assert summary["steps"] == 2
+    assert summary["rank_divergence"] == 0.0  # the ranks end with the same weights

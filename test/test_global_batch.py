@@ -135,7 +135,98 @@ def test_global_normalisation_errors():
     stepper = GlobalBatchStepper(
         torch.optim.SGD([actor.table], lr=1.0), gradient_accumulation_steps=9
     )
-    with pytest.raises(ValueError, match="fewer than gradient_accumulation_steps=9"):
-        stepper.step(None, lazy_batch(rows))
+    with pytest.raises(ValueError, match=r"3 micro-batch\(es\) of the step hold no row"):
+        stepper.step(None, lazy_batch(rows))  # 6 rows for 9 micro-batches
     with pytest.raises(ValueError, match="needs a GSPOLoss output"):
         all_reduce_diagnostics(make_loss(actor)(batch).exclude("stat_tokens"))
+
+
+@pytest.mark.parametrize("key", ["sequence_scale", ("old_log_probs", "full")])
+def test_a_key_on_some_rows_only_raises(key):
+    """A lazily stacked batch whose rows do not all hold a key: an error, not the key
+    silently ignored (the plain mean, or the rollout log-probs as the old ones)."""
+    actor = BigramActor()
+    rows = make_rows(actor=actor, noise=0.03, seed=6)
+    batch = lazy_batch(rows)
+    for td, row in list(zip(batch.tensordicts, rows, strict=True))[:3]:
+        td.set(key, row["old"].nan_to_num(0.0) if key != "sequence_scale" else torch.ones(()))
+    with pytest.raises(ValueError, match=r"on some rows only: rows \[3, 4, 5\] of 6"):
+        make_loss(actor)(batch)
+
+
+def test_set_sequence_scale_takes_one_batch():
+    actor = BigramActor()
+    batch = lazy_batch(make_rows(actor=actor, noise=0.03, seed=7))
+    assert set_sequence_scale(batch) == 6
+    assert torch.equal(batch.get("sequence_scale"), torch.full((6,), 1 / 6, dtype=torch.float64))
+    with pytest.raises(ValueError, match="with a batch dimension"):
+        set_sequence_scale([batch[0]])
+
+
+class _Trainer:
+    """The part of TorchRL's Trainer a stepper uses."""
+
+    def __init__(self, loss_fn, poison=False):
+        self.loss_fn, self.poison = loss_fn, poison
+
+    def compute_loss(self, batch):
+        out = self.loss_fn(batch)
+        if self.poison:
+            out.set("loss_objective", out.loss_objective * math.inf)
+        return out
+
+
+def test_stepper_logs_the_rank_share_and_skips_a_non_finite_loss():
+    actor = BigramActor()
+    rows = make_rows(SHAPES, actor=actor, noise=0.03, seed=8)
+    full = make_loss(actor, entropy_bonus=False)(lazy_batch(rows)).loss_objective.detach()
+    optimizer = torch.optim.SGD([actor.table], lr=1.0)
+    stepper = GlobalBatchStepper(optimizer, gradient_accumulation_steps=3, clip_norm=None)
+    before = actor.table.detach().clone()
+    poisoned = stepper.step(_Trainer(make_loss(actor, entropy_bonus=False), True), lazy_batch(rows))
+    assert poisoned["skipped"] == 1 and stepper.skipped_steps == 1
+    assert torch.equal(actor.table.detach(), before)
+    metrics = stepper.step(_Trainer(make_loss(actor, entropy_bonus=False)), lazy_batch(rows))
+    assert metrics["skipped"] == 0
+    close(metrics["loss_objective"], full)  # one process: the share is the whole loss
+
+
+class _ProjectedActor(BigramActor):
+    """The bigram actor with a linear layer on its logits, which autocast runs in its
+    dtype (recorded in ``seen``)."""
+
+    seen: list[torch.dtype]
+
+    def logits(self, tensordict):
+        logits = super().logits(tensordict)
+        projected = torch.nn.functional.linear(logits, torch.eye(logits.shape[-1]))
+        self.seen.append(projected.dtype)
+        return projected.float()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_stepper_runs_the_loss_under_autocast(dtype):
+    """mixed_precision: the forward under autocast, a GradScaler for float16, a finite
+    update."""
+    actor = _ProjectedActor(dtype=torch.float32)
+    actor.seen = []
+    rows = make_rows(SHAPES, actor=BigramActor(dtype=torch.float32), noise=0.03, seed=9)
+    rows = [{k: v.float() if v.is_floating_point() else v for k, v in r.items()} for r in rows]
+    stepper = GlobalBatchStepper(
+        torch.optim.SGD([actor.table], lr=0.1),
+        gradient_accumulation_steps=2,
+        mixed_precision=True,
+        autocast_dtype=dtype,
+        device_type="cpu",
+    )
+    assert stepper.scaler.is_enabled() == (dtype == torch.float16)
+    before = actor.table.detach().clone()
+    metrics = stepper.step(_Trainer(make_loss(actor, entropy_bonus=False)), lazy_batch(rows))
+    assert set(actor.seen) == {dtype} and metrics["skipped"] == 0
+    step = actor.table.detach() - before
+    assert step.isfinite().all() and step.abs().sum() > 0
+
+
+def test_stepper_refuses_a_model_it_cannot_defer_the_sync_of():
+    with pytest.raises(TypeError, match=r"DistributedDataParallel or FSDP2.*got Linear"):
+        GlobalBatchStepper(torch.optim.SGD([torch.ones(1)], lr=1.0), model=torch.nn.Linear(1, 1))

@@ -59,18 +59,27 @@ def _rows(tensordict: TensorDictBase) -> list[TensorDictBase] | None:
     return None
 
 
-def _read_rows(rows: list[TensorDictBase], key: NestedKey) -> list[torch.Tensor] | None:
-    """One tensor per row, or None when a row lacks ``key``."""
-    first = rows[0].get(key, None)
-    if first is None:  # the common case of an absent key: one read
-        return None
-    values = [first, *(row.get(key, None) for row in rows[1:])]
-    return None if any(v is None for v in values) else values
+def _read_rows(rows: list[TensorDictBase], key: NestedKey, owner: str) -> list[torch.Tensor] | None:
+    """One tensor per row, or None when no row holds ``key``; some rows only raise."""
+    values = [row.get(key, None) for row in rows]
+    missing = [i for i, value in enumerate(values) if value is None]
+    if not missing:
+        return values
+    if len(missing) < len(values):
+        raise ValueError(
+            f"{owner}: the lazily stacked batch holds {key!r} on some rows only: rows {missing} of "
+            f"{len(values)} lack it, so the loss can use it on none. Write it on every row "
+            "(e.g. set_sequence_scale and RecomputeOldLogProbs write every row of what "
+            "they are given) or on none."
+        )
+    return None
 
 
-def _read(tensordict: TensorDictBase, rows: list[TensorDictBase] | None, key: NestedKey):
+def _read(tensordict: TensorDictBase, rows, key: NestedKey, loss: GSPOLoss):
     """A dense tensor, a list of row tensors (lazy stack), or None when absent."""
-    return tensordict.get(key, None) if rows is None else _read_rows(rows, key)
+    if rows is None:
+        return tensordict.get(key, None)
+    return _read_rows(rows, key, type(loss).__name__)
 
 
 def _pad(values, value: float, side: str = "left") -> torch.Tensor:
@@ -114,7 +123,7 @@ def read_batch(tensordict: TensorDictBase, loss: GSPOLoss) -> Batch:
     _check_log_probs(keys.sample_log_prob, sample, tokens, lengths, loss)
     old = None
     if keys.old_log_prob != keys.sample_log_prob:
-        old = _read(tensordict, rows, keys.old_log_prob)
+        old = _read(tensordict, rows, keys.old_log_prob, loss)
     if old is not None:
         _check_log_probs(keys.old_log_prob, old, tokens, lengths, loss)
     elif loss.rollout_correction is not None:
@@ -133,7 +142,7 @@ def read_batch(tensordict: TensorDictBase, loss: GSPOLoss) -> Batch:
         rollout=None if old is None else sample,
         advantage=advantage,
         has_value=has_value,
-        scale=_read_scale(_read(tensordict, rows, keys.sequence_scale), size, loss),
+        scale=_read_scale(_read(tensordict, rows, keys.sequence_scale, loss), size, loss),
         ref=_read_ref(tensordict, rows, loss),
         response_lengths=_response_lengths(rows, loss, sample.device),
     )
@@ -142,21 +151,21 @@ def read_batch(tensordict: TensorDictBase, loss: GSPOLoss) -> Batch:
 def _required(tensordict: TensorDictBase, rows, loss: GSPOLoss) -> tuple:
     """Tokens, advantage and log-probs; a missing one raises GRPOLoss' exception type."""
     name, keys = type(loss).__name__, loss.tensor_keys
-    tokens = _read(tensordict, rows, keys.action)
+    tokens = _read(tensordict, rows, keys.action, loss)
     if tokens is None:
         raise ValueError(
             f"Action key {keys.action} not in tensordict. {name} reads the sampled "
             "tokens there; write them, or point the loss at their key with "
             "loss.set_keys(action=...)."
         )
-    advantage = _read(tensordict, rows, keys.advantage)
+    advantage = _read(tensordict, rows, keys.advantage, loss)
     if advantage is None:
         raise ValueError(
             f"Advantage key {keys.advantage} not in tensordict. {name} reads one "
             "advantage per sequence there (e.g. from MCAdvantage); write it, or point "
             "the loss at its key with loss.set_keys(advantage=...)."
         )
-    sample = _read(tensordict, rows, keys.sample_log_prob)
+    sample = _read(tensordict, rows, keys.sample_log_prob, loss)
     if sample is None:
         raise KeyError(
             f"Couldn't find the log-prob {keys.sample_log_prob} in the input data. "
@@ -296,7 +305,7 @@ def _read_ref(tensordict: TensorDictBase, rows, loss: GSPOLoss) -> torch.Tensor 
     if not (loss.kl_to_ref_coeff is not None and loss.kl_to_ref_coeff > 0):
         return None
     key = loss.tensor_keys.ref_log_probs
-    ref = _read(tensordict, rows, key)
+    ref = _read(tensordict, rows, key, loss)
     if ref is None:
         raise KeyError(
             f"Couldn't find the ref log-prob {key} in the input data "
@@ -312,7 +321,7 @@ def _response_lengths(rows, loss: GSPOLoss, device: torch.device) -> torch.Tenso
     """The sampled responses' lengths, where the "sft" response-mask check applies."""
     if rows is None or loss.masking_strategy != "sft" or loss.response_mask_check == "ignore":
         return None
-    responses = _read_rows(rows, RESPONSE_KEY)
+    responses = _read_rows(rows, RESPONSE_KEY, type(loss).__name__)
     if responses is None:
         return None
     return torch.tensor([r.shape[-1] for r in responses], device=device)

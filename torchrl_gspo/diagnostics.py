@@ -33,8 +33,18 @@ _ROLLOUT = (
 
 
 def world_size(group: dist.ProcessGroup | None) -> int:
-    """The size of ``group``; 1 without an initialised process group."""
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    """The size of ``group``; 1 without an initialised process group.
+
+    A rank outside ``group`` raises: collectives there would not involve it.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    if dist.get_rank(group) < 0:
+        raise ValueError(
+            f"this rank (global rank {dist.get_rank()}) is not in the process group "
+            f"{group!r}: call the data-parallel functions with a group that holds it."
+        )
+    return dist.get_world_size(group)
 
 
 class SequenceStatistics(NamedTuple):
