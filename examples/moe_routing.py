@@ -11,15 +11,16 @@ code. The collector's postproc computes the old log-probs and records, per token
 layer, the experts they were computed with (:class:`~torchrl_gspo.RecordRoutes`).
 
 First, on one collected batch: the fraction of (token, layer) top-2 expert sets that one
-Adam step changes, per layer and overall, and the spread of GRPO's token log-ratios and
+Adam step changes, and the fraction of activated experts it changes (the GSPO paper's
+count, at most the first), per layer and overall, and the spread of GRPO's token log-ratios and
 GSPO's sequence log-ratios after that step, with and without Routing Replay
 (:class:`~torchrl_gspo.RoutingReplay`).
 
 Then four runs with the same seed and budget: GRPO, GRPO with Routing Replay, GSPO and
 GSPO with Routing Replay. Each batch records the reward, the clip fractions of the
 minibatches (valid tokens), the spread of the sequence log-ratios after the batch's
-updates (with the run's replay setting), and the routing volatility of the batch
-(recorded routes against those of the updated model).
+updates (with the run's replay setting), and the routing volatility of the batch, both
+counts (recorded routes against those of the updated model).
 
 Usage::
 
@@ -124,10 +125,13 @@ def measure(policy, replay: RoutingReplay, data: TensorDictBase, replayed: bool)
     tokens = [(c - o)[len(c) - n :] for c, o, n in zip(current, old, responses, strict=True)]
     token_ratios = torch.cat(tokens)
     sequence = torch.stack([t.mean() for t in tokens if t.numel()])
-    volatility = routing_volatility(recorded, now, mask)
+    sets = routing_volatility(recorded, now, mask, count="sets")
+    experts = routing_volatility(recorded, now, mask, count="experts")
     return {
-        "volatility_per_layer": volatility[:-1].tolist(),
-        "volatility": float(volatility[-1]),
+        "set_volatility_per_layer": sets[:-1].tolist(),
+        "set_volatility": float(sets[-1]),
+        "expert_volatility_per_layer": experts[:-1].tolist(),
+        "expert_volatility": float(experts[-1]),
         "token_log_ratio_std": float(token_ratios.std()),
         "sequence_log_ratio_std": float(sequence.std()),
     }
@@ -187,7 +191,8 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
             "clip_fraction_off_policy_mean": gspo_toy._mean(
                 [r["clip_fraction_off_policy"] for r in records]
             ),
-            "volatility_mean": gspo_toy._mean([r["volatility"] for r in records]),
+            "set_volatility_mean": gspo_toy._mean([r["set_volatility"] for r in records]),
+            "expert_volatility_mean": gspo_toy._mean([r["expert_volatility"] for r in records]),
             "sequence_log_ratio_std_mean": gspo_toy._mean(
                 [r["sequence_log_ratio_std"] for r in records]
             ),
@@ -207,7 +212,7 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
         ("reward", "mean reward"),
         ("clip_fraction_off_policy", "clip fraction, off-policy minibatches"),
         ("sequence_log_ratio_std", "std of sequence log-ratios after the updates"),
-        ("volatility", "routing volatility of the batch"),
+        ("expert_volatility", "activated experts changed (the paper's count)"),
     )
     fig, axes = plt.subplots(1, len(keys), figsize=(17, 3.8))
     for name, records in runs.items():
