@@ -607,3 +607,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
+    if dist.is_initialized():  # under torchrun: leave the process group cleanly
+        dist.destroy_process_group()
