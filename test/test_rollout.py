@@ -25,18 +25,32 @@ from tensordict import TensorDict, lazy_stack
 from torchrl.data import LazyStackStorage, ReplayBuffer
 from torchrl.objectives.llm import GRPOLoss
 
-from torchrl_gspo import GSPOLoss, GSPOTokenLoss, RecomputeOldLogProbs
+from torchrl_gspo import (
+    GSPOLoss,
+    GSPOTokenLoss,
+    RecomputeOldLogProbs,
+    RolloutCorrection,
+    rollout_terms,
+)
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-6}
 PAPER_EPS = (3e-4, 4e-4)
 ROLLOUT = ("log_probs", "full")
 OLD = ("old_log_probs", "full")
+# (mode, form, threshold): each band binds on some sequences (tokens) and not on
+# others, checked by test_oracle_cases_exercise_every_branch
 MODES = [
     (None, "geometric", None),
     ("truncate", "geometric", 1.0005),
     ("truncate", "sequence", 1.0005),
-    ("mask", "geometric", (0.9995, 1.0005)),
+    ("truncate", "sequence", (0.999, 1.0005)),
+    ("truncate", "token", (0.999, 1.001)),
+    ("mask", "geometric", (0.9997, 1.0005)),
     ("mask", "sequence", (0.999, 1.0005)),
+    ("mask", "token", (0.999, 1.001)),
+    ("masked_is", "geometric", (0.9997, 1.0005)),
+    ("masked_is", "sequence", 1.0005),
+    ("masked_is", "token", (0.999, 1.001)),
 ]
 
 
@@ -84,36 +98,57 @@ def decoupled_batch(kind, rows, with_old=True, advantage_per_token=False):
     return batch
 
 
-def oracle_weights(old, rollout, mask, correction, form, threshold):
-    """w_i written out: rho_i from the old and rollout log-probs over the loss mask."""
-    log_rho = torch.where(mask, old - rollout, torch.zeros_like(old)).sum(-1)
-    if form == "geometric":
-        log_rho = log_rho / mask.sum(-1).clamp(min=1)
-    rho = log_rho.exp()
+def oracle_token_weights(old, rollout, mask, correction, form, threshold):
+    """The weight of each token, [B, T], written out from TRL's and our definitions.
+
+    rho is the product or geometric mean over the loss mask (a sequence form, the
+    same weight on every token of the row) or each token's own ratio (the token form);
+    then w = clamp(rho, low, high) (truncate), 1[low <= rho <= high] (mask) or
+    rho * 1[low <= rho <= high] (masked_is). A cap C is the band (0, C).
+    """
+    delta = torch.where(mask, old - rollout, torch.zeros_like(old))
+    if form == "token":
+        rho = delta.exp()
+    else:
+        log_rho = delta.sum(-1, keepdim=True)
+        if form == "geometric":
+            log_rho = log_rho / mask.sum(-1, keepdim=True).clamp(min=1)
+        rho = log_rho.exp().expand_as(delta)
     if correction is None:
         return torch.ones_like(rho)
+    low, high = threshold if isinstance(threshold, tuple) else (0.0, threshold)
+    inside = (rho >= low) & (rho <= high)
     if correction == "truncate":
-        return torch.minimum(rho, torch.full_like(rho, threshold))
-    low, high = threshold
-    return ((rho >= low) & (rho <= high)).to(rho.dtype)
+        return rho.clamp(low, high)
+    if correction == "mask":
+        return inside.to(rho.dtype)
+    return torch.where(inside, rho, torch.zeros_like(rho))
+
+
+def oracle_weights(old, rollout, mask, correction, form, threshold):
+    """w_i: the mean over each sequence's valid tokens of its token weights."""
+    w = oracle_token_weights(old, rollout, mask, correction, form, threshold)
+    w = torch.where(mask, w, torch.zeros_like(w)).sum(-1) / mask.sum(-1).clamp(min=1)
+    return torch.where(mask.any(-1), w, torch.ones_like(w))
 
 
 def oracle_decoupled(actor, rows, eps, correction, form, threshold, aggregation="prompt_mean"):
-    """J = mean_i w_i * (-min(s_i A_i, clip(s_i) A_i)), s_i against the recomputed old."""
+    """TRL's form: per-token loss w_t * (-min(s_i A_i, clip(s_i) A_i)), then the mean
+    over each sequence's valid tokens and over sequences (prompt_mean), or over all
+    valid tokens (token_mean); s_i against the recomputed old log-probs."""
     tokens = padded(rows, "tokens", 0)
     current = actor.token_log_probs(tokens)
     old = padded(rows, "old", 0.0)
     rollout = padded(rows, "rollout", float("nan"))
     mask = padded(rows, "response", False) & old.isfinite() & rollout.isfinite()
     advantage = torch.stack([r["advantage"].reshape(()) for r in rows])
-    weight = oracle_weights(old, rollout, mask, correction, form, threshold)
+    weight = oracle_token_weights(old, rollout, mask, correction, form, threshold)
     seq = torch.where(mask, current - old, torch.zeros_like(current)).sum(-1)
     ratio = (seq / mask.sum(-1).clamp(min=1)).exp()
     per_seq = -torch.minimum(ratio * advantage, ratio.clamp(1 - eps[0], 1 + eps[1]) * advantage)
-    per_seq = weight * per_seq
+    per_token = torch.where(mask, per_seq.unsqueeze(-1) * weight, torch.zeros_like(current))
     if aggregation == "prompt_mean":
-        return torch.where(mask.any(-1), per_seq, torch.zeros_like(per_seq)).mean()
-    per_token = torch.where(mask, per_seq.unsqueeze(-1).expand_as(current), 0.0)
+        return (per_token.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
     if aggregation == "token_mean":
         return per_token.sum() / mask.sum()
     return per_token
@@ -148,22 +183,51 @@ def test_decoupled_loss_and_gradient_match_oracle(dtype, kind, correction, form,
 
 
 def test_oracle_cases_exercise_every_branch():
-    """The modes above keep some sequences, truncate or mask others; one row is empty."""
+    """Each band of MODES leaves some ratios inside and pushes others out (below the
+    lower bound too, where it has one); one row is empty."""
     actor = BigramActor()
     rows = decoupled_rows(actor, seed=1)
-    tokens = padded(rows, "tokens", 0)
     old, rollout = padded(rows, "old", 0.0), padded(rows, "rollout", float("nan"))
     mask = padded(rows, "response", False) & rollout.isfinite()
     assert not mask.all(-1).all() and (~mask.any(-1)).any()  # an empty row
-    nonempty = mask.any(-1)
+    rows_kept = mask.any(-1, keepdim=True).expand_as(mask)
     for correction, form, threshold in MODES[1:]:
-        if correction == "truncate":  # some ratios above the cap, some below
-            rho = oracle_weights(old, rollout, mask, "truncate", form, math.inf)[nonempty]
-            assert (rho > threshold).any() and (rho < threshold).any(), form
-        else:  # some sequences masked, some kept
-            w = oracle_weights(old, rollout, mask, correction, form, threshold)[nonempty]
-            assert (w == 0).any() and (w == 1).any(), form
-    assert tokens.shape[0] == len(rows)
+        rho = oracle_token_weights(old, rollout, mask, "truncate", form, math.inf)
+        rho = rho[mask if form == "token" else rows_kept & mask]
+        low, high = threshold if isinstance(threshold, tuple) else (0.0, threshold)
+        assert (rho > high).any() and ((rho >= low) & (rho <= high)).any(), (correction, form)
+        if low > 0:
+            assert (rho < low).any(), (correction, form)
+        w = oracle_token_weights(old, rollout, mask, correction, form, threshold)[mask]
+        if correction == "masked_is":  # kept ratios are weighted by themselves, not 1
+            assert (w == 0).any() and ((w > 0) & (w != 1)).any(), form
+
+
+def test_masked_is_keeps_the_ratio_as_the_weight():
+    """TRL's sequence_mask: log rho = 0.5 inside the band weighs e^0.5 = 1.6487,
+    where the 0/1 mask weighs 1; outside, both weigh 0."""
+    old = torch.tensor([[-1.0, -1.0], [-1.0, -1.0]], dtype=torch.float64)
+    rollout = old - torch.tensor([[0.25, 0.25], [1.0, 1.0]], dtype=torch.float64)
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    for mode, expected in (("masked_is", math.exp(0.5)), ("mask", 1.0)):
+        correction = RolloutCorrection.from_arguments(mode, "sequence", (0.0, 3.0))
+        terms = rollout_terms(old, rollout, mask, correction)
+        assert terms.weight.tolist() == [pytest.approx(expected, abs=1e-15), 0.0]
+        assert terms.corrected.tolist() == [0.0, 1.0]
+
+
+def test_token_form_weighs_each_token_by_its_own_ratio():
+    """The token form: each token's ratio, truncated from below and above; the
+    sequence weight is their mean over the valid tokens, 1 off the mask."""
+    old = torch.zeros(1, 4, dtype=torch.float64)
+    rollout = -torch.tensor([[-1.0, 0.0, 1.0, 5.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, True, False]])
+    correction = RolloutCorrection.from_arguments("truncate", "token", (0.5, 2.0))
+    terms = rollout_terms(old, rollout, mask, correction)
+    assert terms.token_weight.tolist() == [[0.5, 1.0, 2.0, 1.0]]
+    close(terms.weight, torch.tensor([3.5 / 3], dtype=torch.float64))
+    close(terms.corrected, torch.tensor([2 / 3], dtype=torch.float64))
+    assert terms.loss_weight is terms.token_weight
 
 
 @pytest.mark.parametrize("correction,form,threshold", MODES)
@@ -180,13 +244,15 @@ def test_diagnostics_match_definitions(correction, form, threshold):
     weight = oracle_weights(old, rollout, mask, correction, form, threshold)[nonempty]
     low, high = math.log1p(-PAPER_EPS[0]), math.log1p(PAPER_EPS[1])
     r = delta[mask].exp()
-    if correction is None:
-        corrected = torch.zeros_like(weight)
-    elif correction == "truncate":
-        rho = oracle_weights(old, rollout, mask, "truncate", form, math.inf)[nonempty]
-        corrected = (rho > threshold).double()
-    else:
-        corrected = (weight == 0).double()
+    # the share of each sequence's weight the correction changed: its tokens' ratios
+    # (the token form) or its own, outside the band
+    rho = oracle_token_weights(old, rollout, mask, "truncate", form, math.inf)
+    outside = torch.zeros_like(rho, dtype=torch.bool)
+    if correction is not None:
+        c_low, c_high = threshold if isinstance(threshold, tuple) else (0.0, threshold)
+        outside = (rho < c_low) | (rho > c_high)
+    outside = torch.where(mask, outside.double(), 0.0).sum(-1) / lengths.clamp(min=1)
+    corrected = outside[nonempty]
     expected = {
         "rollout_log_ratio_mean_abs": geometric.abs().mean(),
         "rollout_log_ratio_max_abs": geometric.abs().max(),
@@ -270,7 +336,11 @@ def test_thresholds_that_never_bind(kind):
         assert full.rollout_correction_fraction == 0
 
 
-@pytest.mark.parametrize("correction,form,threshold", MODES[1:])
+SEQUENCE_MODES = [m for m in MODES[1:] if m[1] != "token"]
+TOKEN_MODES = [m for m in MODES if m[1] == "token"]
+
+
+@pytest.mark.parametrize("correction,form,threshold", SEQUENCE_MODES)
 def test_gspo_token_equals_gspo_with_sequence_advantages(correction, form, threshold):
     actor = BigramActor()
     rows = decoupled_rows(actor, seed=6)
@@ -282,12 +352,45 @@ def test_gspo_token_equals_gspo_with_sequence_advantages(correction, form, thres
     assert torch.equal(tok.rollout_correction_weight, seq.rollout_correction_weight)
 
 
+@pytest.mark.parametrize("correction,form,threshold", TOKEN_MODES)
+def test_gspo_token_weighs_each_token_term_by_its_own_weight(correction, form, threshold):
+    """Per-token weights on GSPO-token's per-token terms: w_t times the clipped term of
+    s_it = sg(s_i) pi_t / sg(pi_t), then the mean over tokens and sequences. The value
+    equals GSPOLoss' (whose sequence term takes the mean weight); the gradient differs,
+    each token's own weight against the mean weight on every token."""
+    actor = BigramActor()
+    rows = decoupled_rows(actor, seed=6)
+    batch = decoupled_batch("lazy", rows, advantage_per_token=True)
+    eps = (0.01, 0.01)
+    tok = loss(correction, form, threshold, GSPOTokenLoss, actor, clip_epsilon=eps)(batch)
+    seq = loss(correction, form, threshold, GSPOLoss, actor, clip_epsilon=eps)(batch)
+    current = actor.token_log_probs(padded(rows, "tokens", 0))
+    old, rollout = padded(rows, "old", 0.0), padded(rows, "rollout", float("nan"))
+    mask = padded(rows, "response", False) & rollout.isfinite()
+    advantage = torch.stack([r["advantage"].reshape(()) for r in rows]).unsqueeze(-1)
+    weight = oracle_token_weights(old, rollout, mask, correction, form, threshold)
+    log_ratio = torch.where(mask, current - old, torch.zeros_like(current))
+    log_s = (log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)).detach()
+    s_t = (log_s + current - current.detach()).exp()
+    term = -torch.minimum(s_t * advantage, s_t.clamp(1 - eps[0], 1 + eps[1]) * advantage)
+    term = torch.where(mask, weight * term, torch.zeros_like(term))
+    expected = (term.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    expected_grad = torch.autograd.grad(expected, actor.table, retain_graph=True)[0]
+    close(tok.loss_objective, expected)
+    close(grads(tok.loss_objective, actor), expected_grad)
+    close(seq.loss_objective, expected)
+    assert not torch.allclose(grads(seq.loss_objective, actor), expected_grad)
+
+
 @pytest.mark.parametrize("aggregation", ["token_mean", "none"])
-def test_other_aggregations_weight_each_sequence(aggregation):
+@pytest.mark.parametrize(
+    "correction,form,threshold",
+    [("truncate", "sequence", 1.0005), ("masked_is", "token", (0.999, 1.001))],
+)
+def test_other_aggregations_weight_each_term(aggregation, correction, form, threshold):
     actor = BigramActor()
     rows = decoupled_rows(actor, seed=7)
     eps = (0.01, 0.01)
-    correction, form, threshold = "truncate", "sequence", 1.0005
     loss_fn = loss(
         correction, form, threshold, actor=actor, clip_epsilon=eps, aggregation=aggregation
     )
@@ -296,11 +399,12 @@ def test_other_aggregations_weight_each_sequence(aggregation):
     close(out.loss_objective.reshape(expected.shape), expected)
 
 
-def test_compile_matches_eager_with_correction():
+@pytest.mark.parametrize("form", ["geometric", "token"])
+def test_compile_matches_eager_with_correction(form):
     actor = BigramActor()
     rows = decoupled_rows(actor, seed=8)
     batch = decoupled_batch("dense", rows)
-    loss_fn = loss("mask", "geometric", (0.9995, 1.0005), actor=actor, entropy_bonus=False)
+    loss_fn = loss("masked_is", form, (0.9995, 1.0005), actor=actor, entropy_bonus=False)
     eager = loss_fn(batch)
     compiled = torch.compile(loss_fn)(batch)
     for name in ("loss_objective", "rollout_correction_weight", "rollout_kl", "ESS"):
@@ -425,9 +529,14 @@ def test_non_finite_log_probs_inside_the_response_raise(kind, which, key):
             "0 <= C_low <= 1 <= C_high",
         ),
         (
-            {"rollout_correction": "truncate", "rollout_correction_threshold": (0.5, 2.0)},
+            {"rollout_correction": "masked_is", "rollout_correction_threshold": (1.1, 2.0)},
+            ValueError,
+            "0 <= C_low <= 1 <= C_high",
+        ),
+        (
+            {"rollout_correction": "truncate", "rollout_correction_threshold": (0.5, 2.0, 3.0)},
             TypeError,
-            "one cap C",
+            r"pair \(C_low, C_high\) or a cap C",
         ),
         (
             {"rollout_correction": "mask", "rollout_correction_threshold": 2.0},

@@ -422,16 +422,25 @@ def score(
     return scores, varies
 
 
-def sequence_weight(batch: Batch, correction: torch.Tensor | None) -> torch.Tensor | None:
-    """Each sequence's weight ``[B]``: the rollout correction's times the global scale.
+def loss_weight(batch: Batch, correction: torch.Tensor | None) -> torch.Tensor | None:
+    """The weight of the loss terms: the rollout correction's times the global scale.
 
-    The scale :math:`c_i` is multiplied by :math:`B`: ``prompt_mean``'s mean over the
-    rows then gives :math:`\\sum_i c_i \\ell_i`. ``None`` when neither applies.
+    Args:
+        batch (Batch): the call's inputs, for the scale :math:`c_i`.
+        correction (torch.Tensor | None): ``[B]`` per sequence or ``[B, T]`` per
+            token (:attr:`RolloutTerms.loss_weight`), or ``None``.
+
+    Returns:
+        ``[B]`` or ``[B, T]``, ``None`` when neither applies. The scale is multiplied
+        by :math:`B`: ``prompt_mean``'s mean over the rows then gives
+        :math:`\\sum_i c_i \\ell_i`.
     """
     if batch.scale is None:
         return correction
     scale = batch.scale * batch.scale.shape[0]
-    return scale if correction is None else correction * scale.to(correction.dtype)
+    if correction is None:
+        return scale
+    return correction * scale.to(correction.dtype).reshape(-1, *[1] * (correction.ndim - 1))
 
 
 def sequence_advantage(advantage: torch.Tensor, mask: torch.Tensor) -> tuple:

@@ -155,9 +155,8 @@ class SequenceStatistics(NamedTuple):
             return stats
         clip = (rollout.log_ratio < low) | (rollout.log_ratio > high)
         weight = torch.ones_like(tokens) if rollout.weight is None else rollout.weight
-        rollout_sums = torch.stack(
-            [rollout.log_ratio.abs(), clip & nonempty, rollout.corrected & nonempty, weight]
-        ).to(log_ratio.dtype)
+        rollout_sums = [rollout.log_ratio.abs(), clip, rollout.corrected, weight]
+        rollout_sums = torch.stack([v.to(log_ratio.dtype) for v in rollout_sums])
         rollout_sums = torch.where(nonempty, rollout_sums, 0.0).sum(-1)
         return stats._replace(
             **dict(zip(_ROLLOUT[:4], rollout_sums.unbind(), strict=True)),

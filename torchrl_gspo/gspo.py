@@ -124,17 +124,23 @@ class GSPOLoss(GRPOLoss):
         response_mask_check (Literal["raise", "warn", "ignore"], optional): what a
             ``"sft"`` mask that differs from ``("tokens", "response")`` does
             (:doc:`/inputs`). Defaults to ``"raise"``.
-        rollout_correction (Literal["truncate", "mask"] | None, optional): see
-            :class:`~torchrl_gspo.RolloutCorrection`; needs the ``old_log_prob``
+        rollout_correction (Literal["truncate", "mask", "masked_is"] | None, optional):
+            the weight of the rollout-to-old ratio :math:`\rho`: truncated, 0/1
+            rejection, or :math:`\rho` inside a band
+            (:class:`~torchrl_gspo.RolloutCorrection`); needs the ``old_log_prob``
             key. Defaults to ``None``.
-        rollout_correction_form (Literal["geometric", "sequence"], optional):
-            :math:`\rho_i` as the geometric mean (GSPO's own form) or the product
-            (TRL's and verl's ``"sequence"`` level). Defaults to ``"geometric"``.
+        rollout_correction_form (Literal["geometric", "sequence", "token"], optional):
+            :math:`\rho` per sequence as the geometric mean (GSPO's own form) or the
+            product of the token ratios (TRL's and verl's ``sequence`` level), or per
+            token (their ``token`` level). Defaults to ``"geometric"``.
         rollout_correction_threshold (float | tuple[float, float] | None, optional):
-            ``C >= 1`` for ``"truncate"``, ``(C_low, C_high)`` with
-            ``C_low <= 1 <= C_high`` for ``"mask"``. Defaults to ``1.001`` /
-            ``(0.999, 1.001)`` (geometric form, verl's length-normalised band) and
-            ``3.0`` / ``(1/3, 3.0)`` (product form; TRL's cap is 3.0).
+            the band ``(C_low, C_high)`` with ``C_low <= 1 <= C_high``, or a cap
+            ``C >= 1`` meaning ``(0, C)`` (not for ``"mask"``). ``None`` takes the
+            defaults of :class:`~torchrl_gspo.RolloutCorrection`: ``(0.999, 1.001)``
+            for the geometric form (verl's length-normalised band; a cap ``1.001``
+            for ``"truncate"``), and for the product and token forms TRL's
+            ``vllm_importance_sampling_clip_max=3.0`` with no lower bound
+            (``"mask"``: ``(1/3, 3.0)``).
         **kwargs: every other keyword argument of
             :class:`~torchrl.objectives.llm.GRPOLoss` (``entropy_bonus``,
             ``entropy_coeff``, ``kl_to_ref_coeff``, ``kl_to_inference_coeff``,
@@ -188,8 +194,8 @@ class GSPOLoss(GRPOLoss):
         max_log_ratio: float | None = 10.0,
         masking_strategy: Literal["sft", "rlhf", "generic"] = "sft",
         response_mask_check: Literal["raise", "warn", "ignore"] = "raise",
-        rollout_correction: Literal["truncate", "mask"] | None = None,
-        rollout_correction_form: Literal["geometric", "sequence"] = "geometric",
+        rollout_correction: Literal["truncate", "mask", "masked_is"] | None = None,
+        rollout_correction_form: Literal["geometric", "sequence", "token"] = "geometric",
         rollout_correction_threshold: float | tuple[float, float] | None = None,
         **kwargs,
     ) -> None:
@@ -236,12 +242,12 @@ class GSPOLoss(GRPOLoss):
         sequence_scale: NestedKey = "sequence_scale"
 
     @property
-    def rollout_correction(self) -> Literal["truncate", "mask"] | None:
+    def rollout_correction(self) -> Literal["truncate", "mask", "masked_is"] | None:
         """The rollout correction, fixed at construction (:class:`RolloutCorrection`)."""
         return None if self._correction is None else self._correction.mode
 
     @property
-    def rollout_correction_form(self) -> Literal["geometric", "sequence"]:
+    def rollout_correction_form(self) -> Literal["geometric", "sequence", "token"]:
         """The form of the rollout correction's ratio, fixed at construction."""
         return self._correction_form
 
@@ -304,7 +310,7 @@ class GSPOLoss(GRPOLoss):
         stats = SequenceStatistics.of(
             scores.log_ratio.detach(), scores.lengths, self._clip_bounds, rollout
         )
-        weight = _batch.sequence_weight(batch, None if rollout is None else rollout.weight)
+        weight = _batch.loss_weight(batch, None if rollout is None else rollout.loss_weight)
         aggregation_mask = self._kl_filter(scores)
         objective = self._objective(scores)
         out = {
@@ -360,9 +366,10 @@ class GSPOLoss(GRPOLoss):
         weight: torch.Tensor | None,
         tensordict: TensorDictBase,
     ) -> torch.Tensor:
-        """The loss of terms per sequence ``[B, 1, 1]`` or per token ``[B, T, 1]``."""
+        """The loss of terms per sequence ``[B, 1, 1]`` or per token ``[B, T, 1]``,
+        weighted per sequence (``weight`` ``[B]``) or per token (``[B, T]``)."""
         if weight is not None:
-            value = value * weight.to(value.dtype).reshape(-1, 1, 1)
+            value = value * weight.to(value.dtype).reshape(weight.shape[0], -1, 1)
         reduce = self.aggregation == "prompt_mean" and self.reduction != "none"
         if reduce and value.shape[-2] == 1:
             # the mean over a sequence's valid tokens of its constant term is the term
