@@ -7,6 +7,7 @@ the package's warnings, attributed to the user's line."""
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import os
@@ -98,3 +99,17 @@ def warn_off_paper(loss, given, eps: tuple[float, float], wide: float, aggregati
             "Sequence ratios are geometric means and stay close to 1, so such a range "
             "practically never clips them; the paper uses (3e-4, 4e-4), the default."
         )
+
+
+def version_source(value):
+    """The trainer's version as a function: ``value`` itself, or a ``PolicyVersion``'s."""
+    if value is None:
+        return None
+    if hasattr(value, "increment_version"):  # TorchRL's PolicyVersion: read .version
+        return functools.partial(getattr, value, "version")
+    if callable(value):
+        return value
+    raise TypeError(
+        "policy_version must be a function returning the trainer's current policy "
+        f"version (an int) or TorchRL's PolicyVersion; got {type(value).__name__}."
+    )

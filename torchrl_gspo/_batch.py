@@ -41,6 +41,8 @@ class Batch(NamedTuple):
         ref: ``[B, T]`` reference log-probabilities when ``kl_to_ref_coeff`` is set.
         response_lengths: ``[B]`` lengths of the sampled responses when the
             response-mask check applies, else ``None``.
+        version: ``[B]`` the policy version that sampled each row when the loss
+            reports the policy lag, else ``None``.
     """
 
     old: torch.Tensor
@@ -50,6 +52,7 @@ class Batch(NamedTuple):
     scale: torch.Tensor | None
     ref: torch.Tensor | None
     response_lengths: torch.Tensor | None
+    version: torch.Tensor | None
 
 
 def _rows(tensordict: TensorDictBase) -> list[TensorDictBase] | None:
@@ -145,6 +148,7 @@ def read_batch(tensordict: TensorDictBase, loss: GSPOLoss) -> Batch:
         scale=_read_scale(_read(tensordict, rows, keys.sequence_scale, loss), size, loss),
         ref=_read_ref(tensordict, rows, loss),
         response_lengths=_response_lengths(rows, loss, sample.device),
+        version=_read_version(tensordict, rows, size, loss),
     )
 
 
@@ -300,6 +304,48 @@ def _read_scale(scale, size: int, loss: GSPOLoss) -> torch.Tensor | None:
     return scale if scale.is_floating_point() else scale.to(torch.get_default_dtype())
 
 
+def _read_version(tensordict: TensorDictBase, rows, size: int, loss: GSPOLoss):
+    """The version that sampled each row, ``[B]``, when the loss reports the lag."""
+    if loss.policy_version is None:
+        return None
+    name, key = type(loss).__name__, loss.tensor_keys.policy_version
+    version = _read(tensordict, rows, key, loss)
+    if version is None:
+        raise KeyError(
+            f"{name}: policy_version is set, so the loss reports the policy lag, but the "
+            f"batch has no {key!r}. Collect with LLMCollector(track_policy_version=True) "
+            "(TorchRL's PolicyVersion writes it), point the loss at the key with "
+            "loss.set_keys(policy_version=...), or leave policy_version unset."
+        )
+    values = version if isinstance(version, list) else [version]
+    if not all(isinstance(v, torch.Tensor) and not v.is_floating_point() for v in values):
+        raise TypeError(
+            f"{name}: the policy versions at {key!r} are not integers "
+            "(PolicyVersion(version_type='uuid') writes UUID strings); the lag needs "
+            "integer versions: PolicyVersion(version_type='int'), TorchRL's default."
+        )
+    version = _one_per_row(version, size)
+    if version is None:
+        raise ValueError(
+            f"{name}: the policy versions at {key!r} do not hold one integer per row "
+            f"({size} rows), as PolicyVersion writes them; pass one version per row."
+        )
+    return version
+
+
+def _one_per_row(version, size: int) -> torch.Tensor | None:
+    """``[B]`` from one value per row (repeated over a row's entries), else None."""
+    if isinstance(version, list):
+        rows = [value.reshape(-1) for value in version]
+    elif version.ndim and version.shape[0] == size:
+        rows = list(version.reshape(size, -1))
+    else:
+        return None
+    if any(row.numel() == 0 or (row != row[0]).any() for row in rows):
+        return None
+    return torch.stack([row[0] for row in rows])
+
+
 def _read_ref(tensordict: TensorDictBase, rows, loss: GSPOLoss) -> torch.Tensor | None:
     """The reference log-probabilities, read as GRPOLoss reads them, when needed."""
     if not (loss.kl_to_ref_coeff is not None and loss.kl_to_ref_coeff > 0):
@@ -441,6 +487,17 @@ def loss_weight(batch: Batch, correction: torch.Tensor | None) -> torch.Tensor |
     if correction is None:
         return scale
     return correction * scale.to(correction.dtype).reshape(-1, *[1] * (correction.ndim - 1))
+
+
+def policy_lag(loss: GSPOLoss, version: torch.Tensor) -> torch.Tensor:
+    """``[B]`` the trainer's version (``loss.policy_version()``) minus each row's."""
+    current = loss.policy_version()
+    if isinstance(current, bool) or not isinstance(current, int):
+        raise TypeError(
+            f"{type(loss).__name__}: policy_version returned {current!r}; it must return "
+            "the trainer's current version as an int."
+        )
+    return current - version
 
 
 def sequence_advantage(advantage: torch.Tensor, mask: torch.Tensor) -> tuple:

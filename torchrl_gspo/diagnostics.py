@@ -20,7 +20,7 @@ __all__ = ["SequenceDiagnosticsOutput", "SequenceStatistics"]
 
 PREFIX = "stat_"
 # How each field combines over micro-batches and ranks; the others are sums.
-_MAXIMA = ("log_ratio_max_abs", "rollout_max_abs")
+_MAXIMA = ("log_ratio_max_abs", "rollout_max_abs", "lag_max")
 _LOG_SUMS = ("log_ratio_lse", "log_ratio_sq_lse")
 _ROLLOUT = (
     "rollout_abs_sum",
@@ -30,6 +30,9 @@ _ROLLOUT = (
     "rollout_k3_sum",
     "rollout_max_abs",
 )
+_LAG = ("lag_sum", "lag_max")
+# the fields set only in some calls, each group all set or all None
+_OPTIONAL = {"rollout": _ROLLOUT, "policy lag": _LAG}
 
 
 def world_size(group: dist.ProcessGroup | None) -> int:
@@ -58,7 +61,8 @@ class SequenceStatistics(NamedTuple):
     of the batches; :meth:`diagnostics` turns them into
     :class:`~torchrl_gspo.GSPOLossOutput`'s fields. A loss output carries them as
     its ``stat_*`` fields (:meth:`from_output`). The ``rollout_*`` fields are
-    ``None`` unless the old log-probabilities were recomputed.
+    ``None`` unless the old log-probabilities were recomputed, the ``lag_*`` fields
+    unless the loss reports the policy lag.
 
     Attributes:
         tokens: :math:`\sum_i |y_i|`.
@@ -81,6 +85,9 @@ class SequenceStatistics(NamedTuple):
         rollout_k3_sum: :math:`\sum_{i,t} (r_t - 1 - \log r_t)`,
             :math:`r_t = \pi_\text{old} / \pi_\text{roll}`.
         rollout_max_abs: :math:`\max_i |\log\bar\rho_i|` (maximum).
+        lag_sum: :math:`\sum_i (v - v_i)`, the trainer's policy version :math:`v`
+            minus the version :math:`v_i` that sampled sequence :math:`i`.
+        lag_max: :math:`\max_i (v - v_i)` (maximum; 0 without a sequence).
 
     Examples:
         >>> import torch
@@ -116,6 +123,8 @@ class SequenceStatistics(NamedTuple):
     rollout_weight_sum: torch.Tensor | None = None
     rollout_k3_sum: torch.Tensor | None = None
     rollout_max_abs: torch.Tensor | None = None
+    lag_sum: torch.Tensor | None = None
+    lag_max: torch.Tensor | None = None
 
     @classmethod
     def of(
@@ -124,6 +133,7 @@ class SequenceStatistics(NamedTuple):
         lengths: torch.Tensor,
         bounds: tuple[torch.Tensor, torch.Tensor],
         rollout: RolloutTerms | None = None,
+        lag: torch.Tensor | None = None,
     ) -> SequenceStatistics:
         """The statistics of one batch.
 
@@ -135,6 +145,8 @@ class SequenceStatistics(NamedTuple):
                 :math:`(\\log(1 - \\epsilon_\\text{low}), \\log(1 + \\epsilon_\\text{high}))`.
             rollout (RolloutTerms, optional): the rollout terms of a call with
                 recomputed old log-probabilities.
+            lag (torch.Tensor, optional): ``[B]`` each row's policy lag
+                :math:`v - v_i`.
 
         Returns:
             SequenceStatistics: in the dtype of ``log_ratio``.
@@ -151,6 +163,9 @@ class SequenceStatistics(NamedTuple):
         weights = torch.where(nonempty, log_ratio, -math.inf)
         lse = torch.stack([weights, 2 * weights]).logsumexp(-1)
         stats = cls(*sums.unbind(), log_ratio.abs().amax(), *lse.unbind())
+        if lag is not None:
+            lag = torch.where(nonempty, lag.to(log_ratio.dtype), 0.0)
+            stats = stats._replace(lag_sum=lag.sum(), lag_max=lag.amax())
         if rollout is None:
             return stats
         clip = (rollout.log_ratio < low) | (rollout.log_ratio > high)
@@ -169,18 +184,20 @@ class SequenceStatistics(NamedTuple):
 
         Args:
             other (SequenceStatistics): the other batch's statistics, of the same
-                kind (both with or both without ``rollout_*`` fields).
+                kind (both with or both without ``rollout_*`` fields, and ``lag_*``
+                fields).
 
         Returns:
             SequenceStatistics: sums added, maxima maximised, log-sum-exps combined
             with ``logaddexp``.
         """
-        if (self.rollout_k3_sum is None) != (other.rollout_k3_sum is None):
-            raise ValueError(
-                "SequenceStatistics.combine: one batch has rollout statistics (recomputed "
-                "old log-probabilities) and the other has not; combine outputs of calls "
-                "in the same mode."
-            )
+        for kind, names in _OPTIONAL.items():
+            if (getattr(self, names[0]) is None) != (getattr(other, names[0]) is None):
+                raise ValueError(
+                    f"SequenceStatistics.combine: one batch has {kind} statistics and the "
+                    "other has not (recomputed old log-probabilities, a policy version); "
+                    "combine outputs of calls in the same mode."
+                )
         combined = {}
         for name, a, b in zip(self._fields, self, other, strict=True):
             if a is None:
@@ -231,7 +248,8 @@ class SequenceStatistics(NamedTuple):
             dict[str, torch.Tensor]: ``clip_fraction`` and its low/high split,
             ``sequence_clip_fraction``, ``ESS``, ``sequence_log_ratio``,
             ``sequence_log_ratio_max_abs`` and, with rollout statistics, the
-            ``rollout_*`` fields; their definitions are on the output class.
+            ``rollout_*`` fields, with lag statistics ``policy_lag_mean`` and
+            ``policy_lag_max``; their definitions are on the output class.
         """
         tokens, sequences = self.tokens.clamp_min(1), self.sequences.clamp_min(1)
         low, high = self.low_tokens / tokens, self.high_tokens / tokens
@@ -255,6 +273,8 @@ class SequenceStatistics(NamedTuple):
                 rollout_correction_fraction=self.rollout_corrected / sequences,
                 rollout_correction_weight=self.rollout_weight_sum / sequences,
             )
+        if self.lag_sum is not None:
+            out.update(policy_lag_mean=self.lag_sum / sequences, policy_lag_max=self.lag_max)
         return out
 
     def fields(self) -> dict[str, torch.Tensor]:
@@ -280,7 +300,7 @@ class SequenceStatistics(NamedTuple):
             SequenceStatistics: the statistics of the call that produced it.
         """
         values = {n: output.get(PREFIX + n, None) for n in cls._fields}
-        if any(values[n] is None for n in cls._fields if n not in _ROLLOUT):
+        if any(values[n] is None for n in cls._fields if n not in _ROLLOUT + _LAG):
             raise ValueError(
                 f"SequenceStatistics.from_output needs a GSPOLoss output, with its "
                 f"{PREFIX}* fields; got {type(output).__name__} without them."
@@ -300,6 +320,8 @@ class SequenceDiagnosticsOutput(LLMLossOutput):
     rollout_kl: torch.Tensor | None = None
     rollout_correction_fraction: torch.Tensor | None = None
     rollout_correction_weight: torch.Tensor | None = None
+    policy_lag_mean: torch.Tensor | None = None
+    policy_lag_max: torch.Tensor | None = None
     stat_tokens: torch.Tensor | None = None
     stat_log_ratio_sum: torch.Tensor | None = None
     stat_low_tokens: torch.Tensor | None = None
@@ -318,6 +340,8 @@ class SequenceDiagnosticsOutput(LLMLossOutput):
     stat_rollout_weight_sum: torch.Tensor | None = None
     stat_rollout_k3_sum: torch.Tensor | None = None
     stat_rollout_max_abs: torch.Tensor | None = None
+    stat_lag_sum: torch.Tensor | None = None
+    stat_lag_max: torch.Tensor | None = None
 
     @property
     def statistics(self) -> SequenceStatistics:
@@ -372,7 +396,8 @@ class SequenceDiagnosticsOutput(LLMLossOutput):
 
 def _legacy_names(sums: bool) -> list[str]:
     """The statistics in 0.2's ``diagnostics_sum`` (or ``diagnostics_max``) order."""
-    return [n for n in SequenceStatistics._fields if (n in _MAXIMA + _LOG_SUMS) != sums]
+    names = [n for n in SequenceStatistics._fields if n not in _LAG]  # newer than 0.2
+    return [n for n in names if (n in _MAXIMA + _LOG_SUMS) != sums]
 
 
 def _warn_legacy(name: str) -> None:

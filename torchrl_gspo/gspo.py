@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import ClassVar, Literal
 
@@ -13,6 +14,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from tensordict.utils import NestedKey
 from torch import distributions as d
+from torchrl.envs.llm.transforms import PolicyVersion
 from torchrl.modules.llm import LLMWrapperBase
 from torchrl.objectives.llm.grpo import GRPOLoss, LLMLossOutput
 
@@ -141,6 +143,11 @@ class GSPOLoss(GRPOLoss):
             for ``"truncate"``), and for the product and token forms TRL's
             ``vllm_importance_sampling_clip_max=3.0`` with no lower bound
             (``"mask"``: ``(1/3, 3.0)``).
+        policy_version (Callable[[], int] | PolicyVersion | None, optional): the
+            trainer's current policy version, as a function or TorchRL's
+            :class:`~torchrl.envs.llm.transforms.PolicyVersion`; with it the loss
+            reads the version that sampled each row (the ``policy_version`` key)
+            and reports the policy lag (:doc:`/diagnostics`). Defaults to ``None``.
         **kwargs: every other keyword argument of
             :class:`~torchrl.objectives.llm.GRPOLoss` (``entropy_bonus``,
             ``entropy_coeff``, ``kl_to_ref_coeff``, ``kl_to_inference_coeff``,
@@ -197,6 +204,7 @@ class GSPOLoss(GRPOLoss):
         rollout_correction: Literal["truncate", "mask", "masked_is"] | None = None,
         rollout_correction_form: Literal["geometric", "sequence", "token"] = "geometric",
         rollout_correction_threshold: float | tuple[float, float] | None = None,
+        policy_version: Callable[[], int] | PolicyVersion | None = None,
         **kwargs,
     ) -> None:
         eps_low, eps_high = _arguments.clip_epsilon(clip_epsilon)
@@ -224,6 +232,7 @@ class GSPOLoss(GRPOLoss):
         self.max_log_ratio = max_log_ratio
         self.response_mask_check = response_mask_check
         self._correction, self._correction_form = correction, rollout_correction_form
+        self.policy_version = _arguments.version_source(policy_version)
         # Warn-once flag: it only silences a repeated warning, never changes a result.
         self._warned_half_precision = False
 
@@ -236,10 +245,14 @@ class GSPOLoss(GRPOLoss):
                 Defaults to ``("old_log_probs", "full")``.
             sequence_scale (NestedKey): :math:`c_i` per row (:doc:`/scaling`).
                 Defaults to ``"sequence_scale"``.
+            policy_version (NestedKey): the policy version that sampled each row,
+                read with the ``policy_version`` argument. Defaults to
+                ``"policy_version"`` (TorchRL's ``PolicyVersion``).
         """
 
         old_log_prob: NestedKey = ("old_log_probs", "full")
         sequence_scale: NestedKey = "sequence_scale"
+        policy_version: NestedKey = "policy_version"
 
     @property
     def rollout_correction(self) -> Literal["truncate", "mask", "masked_is"] | None:
@@ -307,8 +320,9 @@ class GSPOLoss(GRPOLoss):
         rollout = None
         if batch.rollout is not None:
             rollout = rollout_terms(scores.old, scores.rollout, mask, self._correction)
+        lag = None if batch.version is None else _batch.policy_lag(self, batch.version)
         stats = SequenceStatistics.of(
-            scores.log_ratio.detach(), scores.lengths, self._clip_bounds, rollout
+            scores.log_ratio.detach(), scores.lengths, self._clip_bounds, rollout, lag
         )
         weight = _batch.loss_weight(batch, None if rollout is None else rollout.loss_weight)
         aggregation_mask = self._kl_filter(scores)

@@ -1,0 +1,253 @@
+# Copyright (c) torchrl_gspo contributors.
+#
+# This source code is licensed under the MIT license found in the
+# LICENSE file in the root directory of this source tree.
+"""GSPOLoss against TRL's own GRPOTrainer code, on the same tensors.
+
+TRL has no standalone loss function: its rollout correction is a block of
+``GRPOTrainer._generate_and_score_completions`` and its loss is
+``GRPOTrainer._compute_loss(model, inputs)``. Both run here without a model: the
+trainer is built with ``object.__new__`` around a real ``GRPOConfig``; the correction
+block is read from TRL's installed source and executed on our tensors;
+``_get_per_token_logps_and_entropies`` is replaced by a function that returns the
+bigram actor's log-probabilities of the completion tokens, so that TRL's loss and
+ours differentiate the same parameters. Run with ``bash scripts/test_peers.sh``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import textwrap
+
+import pytest
+import torch
+import trl
+from accelerate import Accelerator
+from gspo_testing import BigramActor, padded
+from test_rollout import decoupled_batch, decoupled_rows
+from trl import GRPOConfig, GRPOTrainer
+
+from torchrl_gspo import GSPOLoss, RolloutCorrection
+
+BEGIN = "# Compute the importance sampling ratio when using vLLM"
+END = "# Compute the per-token log probabilities for the reference model"
+EPS = (3e-4, 4e-4)  # the paper's clip range: it binds on some sequences, not all
+MISMATCH = 0.05  # engine noise per token: the correction bands bind on some rows
+# TRL's vllm_importance_sampling_mode -> our (rollout_correction, form); the bands
+# are (vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max)
+TRL_MODES = {
+    "sequence_truncate": ("truncate", "sequence"),
+    "sequence_mask": ("masked_is", "sequence"),
+    "token_truncate": ("truncate", "token"),
+    "token_mask": ("masked_is", "token"),
+}
+TRL_DEFAULT_BAND = (None, 3.0)
+BANDS = [TRL_DEFAULT_BAND, (0.95, 1.025), (None, 1.025), (0.95, None)]
+
+
+def test_the_installed_trl_is_the_one_compared():
+    assert trl.__version__ == os.environ.get("TRL_VERSION", "1.16.0")
+
+
+def correction_block():
+    """TRL's rollout-correction block, dedented, from its installed source."""
+    source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    start = source.rindex("\n", 0, source.index(BEGIN)) + 1  # whole lines
+    block = source[start : source.rindex("\n", 0, source.index(END)) + 1]
+    return compile(textwrap.dedent(block), "trl-correction-block", "exec")
+
+
+def trl_trainer(mode, clip_min, clip_max, accumulation, output_dir, **config):
+    """A GRPOTrainer without a model: the attributes its correction and loss read."""
+    args = GRPOConfig(
+        output_dir=str(output_dir),
+        importance_sampling_level="sequence",  # GSPO
+        loss_type="grpo",
+        epsilon=EPS[0],
+        epsilon_high=EPS[1],
+        beta=0.0,
+        vllm_importance_sampling_mode=mode,
+        vllm_importance_sampling_clip_min=clip_min,
+        vllm_importance_sampling_clip_max=clip_max,
+        gradient_accumulation_steps=accumulation,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        **config,
+    )
+    trainer = object.__new__(GRPOTrainer)
+    trainer.args = args
+    trainer.use_vllm = True  # engine log-probs in the batch; vLLM itself is not needed
+    for name in (
+        "loss_type",
+        "importance_sampling_level",
+        "beta",
+        "top_entropy_quantile",
+        "off_policy_mask_threshold",
+        "vllm_importance_sampling_correction",
+        "vllm_importance_sampling_mode",
+        "vllm_importance_sampling_clip_max",
+        "vllm_importance_sampling_clip_min",
+    ):
+        setattr(trainer, name, getattr(args, name))
+    trainer.epsilon_low, trainer.epsilon_high = args.epsilon, args.epsilon_high
+    trainer.aux_loss_enabled = False
+    trainer._entropy_bonus_enabled = False
+    trainer.current_gradient_accumulation_steps = accumulation
+    trainer.model = torch.nn.Module().train()
+    trainer.accelerator = Accelerator(cpu=True)
+    trainer._metrics = {"train": _Metrics(), "eval": _Metrics()}
+    return trainer
+
+
+class _Metrics(dict):
+    def __missing__(self, key):
+        self[key] = []
+        return self[key]
+
+
+def completion_tensors(rows, actor):
+    """TRL's layout: each row's completion (its tokens from the first response token
+    on) right-padded, with the response mask as completion mask."""
+    tokens = padded(rows, "tokens", 0)
+    response = padded(rows, "response", False)
+    current = actor.token_log_probs(tokens)
+    old, rollout = padded(rows, "old", 0.0), padded(rows, "rollout", float("nan"))
+    start = torch.where(response.any(-1), response.int().argmax(-1), tokens.shape[-1])
+    width = int((tokens.shape[-1] - start).max())
+    index = (start.unsqueeze(-1) + torch.arange(width)).clamp(max=tokens.shape[-1] - 1)
+    inside = start.unsqueeze(-1) + torch.arange(width) < tokens.shape[-1]
+    mask = response.gather(-1, index) & inside
+
+    def take(values, fill):
+        return torch.where(inside, values.gather(-1, index), fill)
+
+    return {
+        "completion_ids": take(tokens, 0),
+        "completion_mask": mask.long(),
+        "current": take(current, 0.0),
+        "old": take(old, 0.0),
+        "rollout": take(rollout, 0.0),
+    }
+
+
+def trl_loss(trainer, rows, actor, advantages):
+    """TRL's correction block, then TRL's _compute_loss, on our rows."""
+    t = completion_tensors(rows, actor)
+    scope = {
+        "self": trainer,
+        "torch": torch,
+        "math": math,
+        "completion_mask": t["completion_mask"],
+        "tool_mask": None,
+        "old_per_token_logps": t["old"],
+        "sampling_per_token_logps": t["rollout"],
+    }
+    exec(correction_block(), scope)
+    ratio = scope["vllm_importance_sampling_ratio"]
+
+    def log_probs(model, input_ids, attention_mask, logits_to_keep, **kwargs):
+        return t["current"], torch.zeros_like(t["current"]), None
+
+    trainer._get_per_token_logps_and_entropies = log_probs
+    size = len(rows)
+    inputs = {
+        "prompt_ids": torch.zeros(size, 1, dtype=torch.long),
+        "prompt_mask": torch.ones(size, 1, dtype=torch.long),
+        "completion_ids": t["completion_ids"],
+        "completion_mask": t["completion_mask"],
+        "advantages": advantages,
+        "old_per_token_logps": t["old"],
+        "sampling_per_token_logps": t["rollout"],
+        "importance_sampling_ratio": ratio,
+        "num_items_in_batch": t["completion_mask"].sum(),
+    }
+    return trainer._compute_loss(trainer.model, inputs), ratio
+
+
+def our_threshold(clip_min, clip_max):
+    return (0.0 if clip_min is None else clip_min, math.inf if clip_max is None else clip_max)
+
+
+def grad(loss, actor):
+    return torch.autograd.grad(loss, actor.table)[0]
+
+
+@pytest.mark.parametrize("clip_min,clip_max", BANDS)
+@pytest.mark.parametrize("mode", TRL_MODES)
+@pytest.mark.parametrize("accumulation", [1, 3])
+def test_gspo_loss_equals_trl(mode, clip_min, clip_max, accumulation, tmp_path):
+    """TRL's loss with K accumulation steps (each micro-batch's mean divided by K) is
+    GSPOLoss with the global normalisation over K equal micro-batches: the sequence
+    scale c_i = 1 / (K B). Loss and gradient to 1e-12 in float64."""
+    actor = BigramActor()
+    rows = decoupled_rows(actor, seed=1, mismatch=MISMATCH)
+    advantages = torch.stack([r["advantage"].reshape(()) for r in rows])
+    trainer = trl_trainer(mode, clip_min, clip_max, accumulation, tmp_path)
+    expected, ratio = trl_loss(trainer, rows, actor, advantages)
+    ours_mode, form = TRL_MODES[mode]
+    loss_fn = GSPOLoss(
+        actor,
+        entropy_bonus=False,
+        rollout_correction=ours_mode,
+        rollout_correction_form=form,
+        rollout_correction_threshold=our_threshold(clip_min, clip_max),
+    )
+    batch = decoupled_batch("lazy", rows)
+    scale = torch.full((len(rows),), 1 / (accumulation * len(rows)), dtype=torch.float64)
+    batch.set("sequence_scale", scale)
+    out = loss_fn(batch)
+    torch.testing.assert_close(out.loss_objective, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        grad(out.loss_objective, actor), grad(expected, actor), rtol=1e-12, atol=1e-12
+    )
+    # every band but TRL's default binds on some rows (tokens) and not on others;
+    # the GSPO clip as well
+    changed = (ratio != _unbounded_ratio(rows, form)) & _valid(rows, form)
+    if (clip_min, clip_max) != TRL_DEFAULT_BAND:
+        assert changed.any() and (~changed & _valid(rows, form)).any()
+    assert 0 < out.sequence_clip_fraction < 1
+
+
+def _unbounded_ratio(rows, form):
+    """rho without a band, in TRL's layout ([B, 1] per sequence, [B, T] per token)."""
+    t = completion_tensors(rows, BigramActor())
+    delta = (t["old"] - t["rollout"]) * t["completion_mask"]
+    return delta.sum(-1, keepdim=True).exp() if form == "sequence" else delta.exp()
+
+
+def _valid(rows, form):
+    mask = completion_tensors(rows, BigramActor())["completion_mask"].bool()
+    return mask.any(-1, keepdim=True) if form == "sequence" else mask
+
+
+def test_a_nan_engine_log_prob_is_ratio_one_in_trl_and_an_error_here(tmp_path):
+    """The one intended difference: TRL reads a NaN engine log-prob inside a response
+    as a token ratio of 1; GSPOLoss raises and names the key."""
+    actor = BigramActor()
+    rows = decoupled_rows(actor, seed=1, mismatch=MISMATCH)
+    response = rows[0]["response"].nonzero().squeeze(-1)
+    rows[0]["rollout"] = rows[0]["rollout"].clone()
+    rows[0]["rollout"][response[0]] = float("nan")
+    advantages = torch.stack([r["advantage"].reshape(()) for r in rows])
+    trainer = trl_trainer("token_truncate", None, 3.0, 1, tmp_path)
+    loss, ratio = trl_loss(trainer, rows, actor, advantages)
+    assert loss.isfinite() and ratio[0, 0] == 1.0
+    with pytest.raises(ValueError, match=r"rollout log-probabilities at .*'log_probs'"):
+        GSPOLoss(actor, rollout_correction="truncate", rollout_correction_form="token")(
+            decoupled_batch("lazy", rows)
+        )
+
+
+def test_trl_defaults_are_our_product_form_defaults(tmp_path):
+    """TRL's defaults (sequence_mask, clip_max 3.0, no clip_min) are
+    rollout_correction="masked_is" with the product form and its default band."""
+    args = GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False)
+    assert args.vllm_importance_sampling_correction
+    assert args.vllm_importance_sampling_mode == "sequence_mask"
+    band = (args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
+    assert band == TRL_DEFAULT_BAND
+    default = RolloutCorrection.from_arguments("masked_is", "sequence", None)
+    assert (default.low, default.high) == our_threshold(*TRL_DEFAULT_BAND)
