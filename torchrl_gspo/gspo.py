@@ -56,6 +56,8 @@ Attributes:
         rollout_outside_clip_fraction, rollout_kl, rollout_correction_fraction,
         rollout_correction_weight (torch.Tensor): the engine mismatch and the
         rollout correction, set when the old log-probabilities were recomputed.
+    policy_lag_mean, policy_lag_max (torch.Tensor): the policy lag, set with the
+        loss' ``policy_version`` argument.
     stat_* (torch.Tensor): the :class:`~torchrl_gspo.SequenceStatistics` the
         diagnostics are computed from (``out.statistics``).
 
@@ -145,7 +147,7 @@ class GSPOLoss(GRPOLoss):
             (``"mask"``: ``(1/3, 3.0)``).
         policy_version (Callable[[], int] | PolicyVersion | None, optional): the
             trainer's current policy version, as a function or TorchRL's
-            :class:`~torchrl.envs.llm.transforms.PolicyVersion`; with it the loss
+            ``PolicyVersion`` (its ``version``); with it the loss
             reads the version that sampled each row (the ``policy_version`` key)
             and reports the policy lag (:doc:`/diagnostics`). Defaults to ``None``.
         **kwargs: every other keyword argument of

@@ -170,7 +170,7 @@ class RolloutTerms(NamedTuple):
 
     @property
     def loss_weight(self) -> torch.Tensor | None:
-        """What the loss terms are multiplied by: ``token_weight`` or ``weight``."""
+        """The weights of the loss terms (``token_weight``, else ``weight``)."""
         return self.weight if self.token_weight is None else self.token_weight
 
 

@@ -79,6 +79,10 @@ nitpick_ignore = [
     # tensordict's key type alias (str or tuple of str) has no documentation page.
     ("py:class", "NestedKey"),
     ("py:class", "tensordict._nestedkey.NestedKey"),
+    # TorchRL's PolicyVersion transform is not in TorchRL's API docs (no page).
+    ("py:class", "PolicyVersion"),
+    ("py:class", "torchrl.envs.llm.transforms.PolicyVersion"),
+    ("py:class", "torchrl.envs.llm.transforms.policy_version.PolicyVersion"),
 ]
 
 # -- autodoc / autosummary / napoleon ------------------------------------------
