@@ -25,7 +25,7 @@ import pytest
 import torch
 import trl
 from accelerate import Accelerator
-from gspo_testing import BigramActor, padded
+from gspo_testing import BigramActor, lazy_batch, make_rows, padded
 from test_rollout import decoupled_batch, decoupled_rows
 from trl import GRPOConfig, GRPOTrainer
 
@@ -134,19 +134,21 @@ def completion_tensors(rows, actor):
 
 
 def trl_loss(trainer, rows, actor, advantages):
-    """TRL's correction block, then TRL's _compute_loss, on our rows."""
+    """TRL's correction block (with vLLM), then TRL's _compute_loss, on our rows."""
     t = completion_tensors(rows, actor)
-    scope = {
-        "self": trainer,
-        "torch": torch,
-        "math": math,
-        "completion_mask": t["completion_mask"],
-        "tool_mask": None,
-        "old_per_token_logps": t["old"],
-        "sampling_per_token_logps": t["rollout"],
-    }
-    exec(correction_block(), scope)
-    ratio = scope["vllm_importance_sampling_ratio"]
+    ratio = None
+    if trainer.use_vllm:
+        scope = {
+            "self": trainer,
+            "torch": torch,
+            "math": math,
+            "completion_mask": t["completion_mask"],
+            "tool_mask": None,
+            "old_per_token_logps": t["old"],
+            "sampling_per_token_logps": t["rollout"],
+        }
+        exec(correction_block(), scope)
+        ratio = scope["vllm_importance_sampling_ratio"]
 
     def log_probs(model, input_ids, attention_mask, logits_to_keep, **kwargs):
         return t["current"], torch.zeros_like(t["current"]), None
@@ -160,15 +162,11 @@ def trl_loss(trainer, rows, actor, advantages):
         "completion_mask": t["completion_mask"],
         "advantages": advantages,
         "old_per_token_logps": t["old"],
-        "sampling_per_token_logps": t["rollout"],
-        "importance_sampling_ratio": ratio,
         "num_items_in_batch": t["completion_mask"].sum(),
     }
+    if trainer.use_vllm:
+        inputs.update(sampling_per_token_logps=t["rollout"], importance_sampling_ratio=ratio)
     return trainer._compute_loss(trainer.model, inputs), ratio
-
-
-def our_threshold(clip_min, clip_max):
-    return (0.0 if clip_min is None else clip_min, math.inf if clip_max is None else clip_max)
 
 
 def grad(loss, actor):
@@ -193,7 +191,7 @@ def test_gspo_loss_equals_trl(mode, clip_min, clip_max, accumulation, tmp_path):
         entropy_bonus=False,
         rollout_correction=ours_mode,
         rollout_correction_form=form,
-        rollout_correction_threshold=our_threshold(clip_min, clip_max),
+        rollout_correction_threshold=(clip_min, clip_max),  # None: no bound, as TRL's
     )
     batch = decoupled_batch("lazy", rows)
     scale = torch.full((len(rows),), 1 / (accumulation * len(rows)), dtype=torch.float64)
@@ -250,4 +248,31 @@ def test_trl_defaults_are_our_product_form_defaults(tmp_path):
     band = (args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
     assert band == TRL_DEFAULT_BAND
     default = RolloutCorrection.from_arguments("masked_is", "sequence", None)
-    assert (default.low, default.high) == our_threshold(*TRL_DEFAULT_BAND)
+    assert (default.low, default.high) == (0.0, TRL_DEFAULT_BAND[1])
+
+
+@pytest.mark.parametrize("delta", [1.0 + EPS[1], 1.01])
+def test_trl_delta_is_max_log_ratio(delta, tmp_path):
+    """TRL's two-sided clip (``delta``, the unclipped ratio clamped at delta) equals
+    ``max_log_ratio=log(delta)`` when delta >= 1 + eps_high: loss and gradient. The
+    ratio exceeds delta on some rows with a negative advantage (asserted)."""
+    actor = BigramActor()
+    signs = torch.tensor([-1.0, 0.5, 1.0, -0.8, 1.2, -0.4], dtype=torch.float64)
+    rows = make_rows(actor=actor, noise=0.05, seed=4, nan_prompt=False, advantages=signs)
+    for row in rows:
+        row["rollout"] = row["old"]
+    advantages = torch.stack([r["advantage"].reshape(()) for r in rows])
+    trainer = trl_trainer("sequence_mask", None, 3.0, 1, tmp_path, delta=delta)
+    trainer.use_vllm = False  # no engine: the old log-probs are the rollout's
+    expected, _ = trl_loss(trainer, rows, actor, advantages)
+    loss_fn = GSPOLoss(actor, entropy_bonus=False, max_log_ratio=math.log(delta))
+    out = loss_fn(lazy_batch(rows))
+    torch.testing.assert_close(out.loss_objective, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        grad(out.loss_objective, actor), grad(expected, actor), rtol=1e-12, atol=1e-12
+    )
+    t = completion_tensors(rows, actor)
+    mask = t["completion_mask"].bool()
+    log_s = ((t["current"] - t["old"]) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    above = (log_s > math.log(delta)) & mask.any(-1)
+    assert (above & (advantages < 0)).any() and (~above & mask.any(-1)).any()

@@ -653,6 +653,38 @@ def test_every_path_compiles_to_one_graph():
         assert _graphs(loss_fn, batch)[0] <= grpo[0], loss_cls  # entropy bonus on
         loss_fn.entropy_bonus = False
         assert _graphs(loss_fn, batch) == (1, 0), loss_cls
+        per_token = build_loss(
+            loss_cls,
+            actor,
+            rollout_correction="masked_is",
+            rollout_correction_form="token",
+            entropy_bonus=False,
+            **kwargs,
+        )
+        assert _graphs(per_token, batch) == (1, 0), loss_cls
+
+
+def test_the_policy_lag_is_read_outside_the_graph():
+    """The trainer's version is a Python int that changes every update: it is read in
+    eager mode (one graph break), so that a new version neither recompiles nor is
+    taken as a constant."""
+    actor = BigramActor()
+    rows = make_rows(actor=actor, noise=1e-3, seed=17, nan_prompt=False)
+    batch = dense_batch(rows)
+    batch.set("policy_version", torch.zeros(len(rows), dtype=torch.long))
+    version = {"now": 0}
+    loss_fn = build_loss(
+        GSPOLoss, actor, entropy_bonus=False, policy_version=lambda: version["now"]
+    )
+    assert _graphs(loss_fn, batch) == (2, 1)
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_fn)
+    compiled(batch)
+    frames = torch._dynamo.utils.counters["frames"]["ok"]
+    for now in range(1, 12):  # more versions than dynamo's recompile limit (8)
+        version["now"] = now
+        assert compiled(batch).policy_lag_max == now
+    assert torch._dynamo.utils.counters["frames"]["ok"] == frames  # nothing recompiled
 
 
 @pytest.mark.parametrize("bad", ["advantage", "old_log_prob", "sequence_scale"])

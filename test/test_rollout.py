@@ -219,15 +219,25 @@ def test_masked_is_keeps_the_ratio_as_the_weight():
 def test_token_form_weighs_each_token_by_its_own_ratio():
     """The token form: each token's ratio, truncated from below and above; the
     sequence weight is their mean over the valid tokens, 1 off the mask."""
-    old = torch.zeros(1, 4, dtype=torch.float64)
-    rollout = -torch.tensor([[-1.0, 0.0, 1.0, 5.0]], dtype=torch.float64)
-    mask = torch.tensor([[True, True, True, False]])
+    old = torch.zeros(2, 4, dtype=torch.float64)
+    rollout = -torch.tensor([[-1.0, 0.0, 1.0, 5.0], [3.0, 3.0, 3.0, 3.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, True, False], [False] * 4])  # the second row empty
     correction = RolloutCorrection.from_arguments("truncate", "token", (0.5, 2.0))
     terms = rollout_terms(old, rollout, mask, correction)
-    assert terms.token_weight.tolist() == [[0.5, 1.0, 2.0, 1.0]]
-    close(terms.weight, torch.tensor([3.5 / 3], dtype=torch.float64))
-    close(terms.corrected, torch.tensor([2 / 3], dtype=torch.float64))
+    assert terms.token_weight.tolist() == [[0.5, 1.0, 2.0, 1.0], [1.0] * 4]
+    close(terms.weight, torch.tensor([3.5 / 3, 1.0], dtype=torch.float64))
+    close(terms.corrected, torch.tensor([2 / 3, 0.0], dtype=torch.float64))
     assert terms.loss_weight is terms.token_weight
+
+
+@pytest.mark.parametrize(
+    "threshold,band",
+    [((None, 3.0), (0.0, 3.0)), ((0.5, None), (0.5, math.inf)), (2.0, (0.0, 2.0))],
+)
+def test_a_none_end_of_the_band_is_no_bound(threshold, band):
+    """TRL's clip_min / clip_max of None: no lower / upper bound."""
+    correction = RolloutCorrection.from_arguments("masked_is", "sequence", threshold)
+    assert (correction.low, correction.high) == band
 
 
 @pytest.mark.parametrize("correction,form,threshold", MODES)

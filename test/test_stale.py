@@ -136,6 +136,23 @@ def test_policy_lag_statistics_over_mixed_rows(kind):
         close(combined.diagnostics()[name], whole[name])
 
 
+def test_a_batch_newer_than_the_trainer_shows_a_negative_lag():
+    """A version function that counts differently from the batch is not hidden: the
+    lag is negative; a batch without a response token reports 0."""
+    actor = BigramActor()
+    rows, batch = rollout_batch(actor)
+    out = GSPOLoss(actor, policy_version=lambda: 1)(with_versions(batch, [3] * len(rows)))
+    assert out.policy_lag_mean == -2 and out.policy_lag_max == -2
+    empty = with_versions(batch[2:3], [3])  # row 2 has no response token
+    assert GSPOLoss(actor, policy_version=lambda: 1)(empty).policy_lag_max == 0
+
+
+def test_the_version_key_is_an_input_key_with_the_argument():
+    actor = BigramActor()
+    assert "policy_version" not in GSPOLoss(actor).in_keys
+    assert "policy_version" in GSPOLoss(actor, policy_version=lambda: 0).in_keys
+
+
 def test_torchrl_policy_version_is_read_as_it_increments():
     actor = BigramActor()
     _, batch = rollout_batch(actor)

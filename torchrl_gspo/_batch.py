@@ -41,8 +41,8 @@ class Batch(NamedTuple):
         ref: ``[B, T]`` reference log-probabilities when ``kl_to_ref_coeff`` is set.
         response_lengths: ``[B]`` lengths of the sampled responses when the
             response-mask check applies, else ``None``.
-        version: ``[B]`` the policy version that sampled each row when the loss
-            reports the policy lag, else ``None``.
+        lag: ``[B]`` each row's policy lag, the trainer's version minus the one
+            that sampled the row, when the loss reports it; else ``None``.
     """
 
     old: torch.Tensor
@@ -52,7 +52,7 @@ class Batch(NamedTuple):
     scale: torch.Tensor | None
     ref: torch.Tensor | None
     response_lengths: torch.Tensor | None
-    version: torch.Tensor | None
+    lag: torch.Tensor | None
 
 
 def _rows(tensordict: TensorDictBase) -> list[TensorDictBase] | None:
@@ -148,7 +148,7 @@ def read_batch(tensordict: TensorDictBase, loss: GSPOLoss) -> Batch:
         scale=_read_scale(_read(tensordict, rows, keys.sequence_scale, loss), size, loss),
         ref=_read_ref(tensordict, rows, loss),
         response_lengths=_response_lengths(rows, loss, sample.device),
-        version=_read_version(tensordict, rows, size, loss),
+        lag=None if loss.policy_version is None else _read_lag(tensordict, rows, size, loss),
     )
 
 
@@ -304,10 +304,13 @@ def _read_scale(scale, size: int, loss: GSPOLoss) -> torch.Tensor | None:
     return scale if scale.is_floating_point() else scale.to(torch.get_default_dtype())
 
 
-def _read_version(tensordict: TensorDictBase, rows, size: int, loss: GSPOLoss):
-    """The version that sampled each row, ``[B]``, when the loss reports the lag."""
-    if loss.policy_version is None:
-        return None
+@torch.compiler.disable
+def _read_lag(tensordict: TensorDictBase, rows, size: int, loss: GSPOLoss) -> torch.Tensor:
+    """``[B]`` the trainer's version (``loss.policy_version()``) minus each row's.
+
+    Outside ``torch.compile``'s graph: the trainer's version is a Python int that
+    changes every update, which a compiled graph would take as a constant.
+    """
     name, key = type(loss).__name__, loss.tensor_keys.policy_version
     version = _read(tensordict, rows, key, loss)
     if version is None:
@@ -330,20 +333,30 @@ def _read_version(tensordict: TensorDictBase, rows, size: int, loss: GSPOLoss):
             f"{name}: the policy versions at {key!r} do not hold one integer per row "
             f"({size} rows), as PolicyVersion writes them; pass one version per row."
         )
-    return version
+    current = loss.policy_version()
+    if isinstance(current, bool) or not isinstance(current, int):
+        raise TypeError(
+            f"{name}: policy_version returned {current!r}; it must return the trainer's "
+            "current version as an int."
+        )
+    return current - version
 
 
 def _one_per_row(version, size: int) -> torch.Tensor | None:
     """``[B]`` from one value per row (repeated over a row's entries), else None."""
     if isinstance(version, list):
-        rows = [value.reshape(-1) for value in version]
-    elif version.ndim and version.shape[0] == size:
-        rows = list(version.reshape(size, -1))
+        if any(value.numel() == 0 for value in version):
+            return None
+        first = torch.stack([value.reshape(-1)[0] for value in version])
+        counts = torch.tensor([value.numel() for value in version])
+        flat = torch.cat([value.reshape(-1) for value in version])
+        same = flat == first.repeat_interleave(counts)
+    elif version.ndim and version.shape[0] == size and version.numel():
+        flat = version.reshape(size, -1)
+        first, same = flat[:, 0], flat == flat[:, :1]
     else:
         return None
-    if any(row.numel() == 0 or (row != row[0]).any() for row in rows):
-        return None
-    return torch.stack([row[0] for row in rows])
+    return first if bool(same.all()) else None
 
 
 def _read_ref(tensordict: TensorDictBase, rows, loss: GSPOLoss) -> torch.Tensor | None:
@@ -487,17 +500,6 @@ def loss_weight(batch: Batch, correction: torch.Tensor | None) -> torch.Tensor |
     if correction is None:
         return scale
     return correction * scale.to(correction.dtype).reshape(-1, *[1] * (correction.ndim - 1))
-
-
-def policy_lag(loss: GSPOLoss, version: torch.Tensor) -> torch.Tensor:
-    """``[B]`` the trainer's version (``loss.policy_version()``) minus each row's."""
-    current = loss.policy_version()
-    if isinstance(current, bool) or not isinstance(current, int):
-        raise TypeError(
-            f"{type(loss).__name__}: policy_version returned {current!r}; it must return "
-            "the trainer's current version as an int."
-        )
-    return current - version
 
 
 def sequence_advantage(advantage: torch.Tensor, mask: torch.Tensor) -> tuple:

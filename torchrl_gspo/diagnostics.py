@@ -164,8 +164,12 @@ class SequenceStatistics(NamedTuple):
         lse = torch.stack([weights, 2 * weights]).logsumexp(-1)
         stats = cls(*sums.unbind(), log_ratio.abs().amax(), *lse.unbind())
         if lag is not None:
-            lag = torch.where(nonempty, lag.to(log_ratio.dtype), 0.0)
-            stats = stats._replace(lag_sum=lag.sum(), lag_max=lag.amax())
+            lag = lag.to(log_ratio.device, log_ratio.dtype)
+            top = torch.where(nonempty, lag, -math.inf).amax()
+            stats = stats._replace(
+                lag_sum=torch.where(nonempty, lag, 0.0).sum(),
+                lag_max=torch.where(nonempty.any(), top, 0.0),
+            )
         if rollout is None:
             return stats
         clip = (rollout.log_ratio < low) | (rollout.log_ratio > high)

@@ -129,7 +129,8 @@ def all_reduce_diagnostics(
 
     :class:`~torchrl_gspo.GSPOLoss`' diagnostics (``clip_fraction`` and its
     low/high split, ``sequence_clip_fraction``, ``ESS``, ``sequence_log_ratio``,
-    ``sequence_log_ratio_max_abs`` and the ``rollout_*`` fields) describe the batch
+    ``sequence_log_ratio_max_abs``, the ``rollout_*`` and ``policy_lag_*`` fields)
+    describe the batch
     of one call on one rank. This function reduces their sufficient statistics
     (the output's ``stat_*`` fields, a :class:`~torchrl_gspo.SequenceStatistics`)
     over ``group`` with :meth:`~torchrl_gspo.SequenceStatistics.all_reduce` (two

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 from tensordict.utils import NestedKey
 from torch import distributions as d
-from torchrl.envs.llm.transforms import PolicyVersion
 from torchrl.modules.llm import LLMWrapperBase
 from torchrl.objectives.llm.grpo import GRPOLoss, LLMLossOutput
 
@@ -22,6 +21,9 @@ from torchrl_gspo import _arguments, _batch
 from torchrl_gspo._batch import Batch, Scores
 from torchrl_gspo.diagnostics import SequenceDiagnosticsOutput, SequenceStatistics
 from torchrl_gspo.rollout import RolloutCorrection, rollout_terms
+
+if TYPE_CHECKING:
+    from torchrl.envs.llm.transforms import PolicyVersion
 
 __all__ = ["GSPOLoss", "GSPOLossOutput", "GSPOTokenLoss", "GSPOTokenLossOutput"]
 
@@ -138,7 +140,8 @@ class GSPOLoss(GRPOLoss):
             product of the token ratios (TRL's and verl's ``sequence`` level), or per
             token (their ``token`` level). Defaults to ``"geometric"``.
         rollout_correction_threshold (float | tuple[float, float] | None, optional):
-            the band ``(C_low, C_high)`` with ``C_low <= 1 <= C_high``, or a cap
+            the band ``(C_low, C_high)`` with ``C_low <= 1 <= C_high`` (a ``None``
+            end is no bound, as TRL's ``clip_min`` and ``clip_max``), or a cap
             ``C >= 1`` meaning ``(0, C)`` (not for ``"mask"``). ``None`` takes the
             defaults of :class:`~torchrl_gspo.RolloutCorrection`: ``(0.999, 1.001)``
             for the geometric form (verl's length-normalised band; a cap ``1.001``
@@ -235,6 +238,8 @@ class GSPOLoss(GRPOLoss):
         self.response_mask_check = response_mask_check
         self._correction, self._correction_form = correction, rollout_correction_form
         self.policy_version = _arguments.version_source(policy_version)
+        if self.policy_version is not None:
+            self._set_in_keys()  # GRPOLoss built them before the attribute existed
         # Warn-once flag: it only silences a repeated warning, never changes a result.
         self._warned_half_precision = False
 
@@ -268,8 +273,10 @@ class GSPOLoss(GRPOLoss):
 
     def _set_in_keys(self):
         super()._set_in_keys()
-        if self.tensor_keys.old_log_prob not in self._in_keys:
-            self._in_keys.append(self.tensor_keys.old_log_prob)
+        keys = [self.tensor_keys.old_log_prob]
+        if getattr(self, "policy_version", None) is not None:
+            keys.append(self.tensor_keys.policy_version)
+        self._in_keys.extend(key for key in keys if key not in self._in_keys)
 
     def _apply(self, fn, recurse: bool = True):
         # the float64 clip buffers become float32 on a device without float64 (MPS)
@@ -322,9 +329,8 @@ class GSPOLoss(GRPOLoss):
         rollout = None
         if batch.rollout is not None:
             rollout = rollout_terms(scores.old, scores.rollout, mask, self._correction)
-        lag = None if batch.version is None else _batch.policy_lag(self, batch.version)
         stats = SequenceStatistics.of(
-            scores.log_ratio.detach(), scores.lengths, self._clip_bounds, rollout, lag
+            scores.log_ratio.detach(), scores.lengths, self._clip_bounds, rollout, batch.lag
         )
         weight = _batch.loss_weight(batch, None if rollout is None else rollout.loss_weight)
         aggregation_mask = self._kl_filter(scores)
@@ -382,8 +388,10 @@ class GSPOLoss(GRPOLoss):
         weight: torch.Tensor | None,
         tensordict: TensorDictBase,
     ) -> torch.Tensor:
-        """The loss of terms per sequence ``[B, 1, 1]`` or per token ``[B, T, 1]``,
-        weighted per sequence (``weight`` ``[B]``) or per token (``[B, T]``)."""
+        """The loss of terms per sequence ``[B, 1, 1]`` or per token ``[B, T, 1]``.
+
+        ``weight`` is ``[B]`` (per sequence) or ``[B, T]`` (per token), or ``None``.
+        """
         if weight is not None:
             value = value * weight.to(value.dtype).reshape(weight.shape[0], -1, 1)
         reduce = self.aggregation == "prompt_mean" and self.reduction != "none"

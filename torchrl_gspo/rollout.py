@@ -85,7 +85,9 @@ class RolloutCorrection:
             form: ``rollout_correction_form``.
             threshold: ``rollout_correction_threshold``: a cap :math:`C`, the band
                 :math:`(0, C)` (``"truncate"`` and ``"masked_is"``), or a pair
-                :math:`(C_\\text{low}, C_\\text{high})`; ``None`` for the default.
+                :math:`(C_\\text{low}, C_\\text{high})` whose ``None`` ends are 0
+                and infinity (TRL's ``clip_min`` and ``clip_max``); ``None`` for the
+                default.
 
         Returns:
             The configuration, or ``None`` without correction. Invalid arguments
@@ -104,7 +106,9 @@ class RolloutCorrection:
             threshold = _DEFAULTS[mode, form]
         name = "rollout_correction_threshold"
         if isinstance(threshold, (tuple, list)) and len(threshold) == 2:
-            low, high = (_arguments.real(value, name) for value in threshold)
+            # None: no bound, as TRL's clip_min / clip_max
+            low = 0.0 if threshold[0] is None else _arguments.real(threshold[0], name)
+            high = math.inf if threshold[1] is None else _arguments.real(threshold[1], name)
         elif mode != "mask" and not isinstance(threshold, (tuple, list)):
             low, high = 0.0, _arguments.real(threshold, name)
         else:
@@ -216,6 +220,7 @@ def rollout_terms(
         # 0 off the mask: ratio 1, weight 1 (the loss masks those tokens anyway)
         tokens, changed = correction.weight(delta)
         weight = torch.where(mask, tokens, 0.0).sum(-1) / lengths
+        weight = torch.where(mask.any(-1), weight, 1.0)  # as the ratio 1 of an empty row
         corrected = (changed & mask).sum(-1) / lengths
         return RolloutTerms(geometric, weight, corrected, k3, tokens)
     log_ratio = geometric if correction.form == "geometric" else log_rho
