@@ -9,26 +9,38 @@ from __future__ import annotations
 from torchrl_gspo._batch import Scores
 from torchrl_gspo.diagnostics import SequenceStatistics
 from torchrl_gspo.distributed import GlobalBatchStepper, all_reduce_diagnostics, set_sequence_scale
+from torchrl_gspo.gmpo import GMPOLoss, GMPOLossOutput
 from torchrl_gspo.gspo import GSPOLoss, GSPOLossOutput, GSPOTokenLoss, GSPOTokenLossOutput
+from torchrl_gspo.luspo import LUSPOLoss, LUSPOLossOutput
 from torchrl_gspo.recompute import RecomputeOldLogProbs
 from torchrl_gspo.rollout import RolloutCorrection, RolloutTerms, rollout_terms
 from torchrl_gspo.routing import RecordRoutes, RoutingReplay, routing_volatility
+from torchrl_gspo.sapo import SAPOLoss, SAPOLossOutput
+from torchrl_gspo.vespo import VESPOLoss, VESPOLossOutput
 
 __version__ = "0.3.0.dev0"
 
 __all__ = [
+    "GMPOLoss",
+    "GMPOLossOutput",
     "GlobalBatchStepper",
     "GSPOLoss",
     "GSPOLossOutput",
     "GSPOTokenLoss",
     "GSPOTokenLossOutput",
+    "LUSPOLoss",
+    "LUSPOLossOutput",
     "RecomputeOldLogProbs",
     "RecordRoutes",
     "RolloutCorrection",
     "RolloutTerms",
     "RoutingReplay",
+    "SAPOLoss",
+    "SAPOLossOutput",
     "Scores",
     "SequenceStatistics",
+    "VESPOLoss",
+    "VESPOLossOutput",
     "all_reduce_diagnostics",
     "rollout_terms",
     "routing_volatility",

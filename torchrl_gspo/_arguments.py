@@ -70,6 +70,11 @@ def clip_epsilon(value) -> tuple[float, float]:
     return low, high
 
 
+def optional_real(value, name: str) -> float | None:
+    """``None``, or ``value`` as a Python float (an error names the argument)."""
+    return None if value is None else real(value, name)
+
+
 def max_log_ratio(value) -> float | None:
     """The clamp of the sequence log-ratio: ``None`` or a real number ``>= 0``."""
     if value is None:
@@ -86,7 +91,7 @@ def max_log_ratio(value) -> float | None:
 def warn_off_paper(loss, given, eps: tuple[float, float], wide: float, aggregation: str) -> None:
     """Warns about settings that leave the loss' objective: token_mean, a wide clip range."""
     name = type(loss).__name__
-    if aggregation == "token_mean":
+    if aggregation == "token_mean" != loss.objective_aggregation:
         warn(
             f"{name} with aggregation='token_mean' averages over all tokens of the batch, "
             "which weights each sequence by its length: that is not GSPO's objective "
@@ -113,3 +118,13 @@ def version_source(value):
         "policy_version must be a function returning the trainer's current policy "
         f"version (an int) or TorchRL's PolicyVersion; got {type(value).__name__}."
     )
+
+
+def positive_pair(value, name: str) -> tuple[float, float]:
+    """``(a, b)``, two positive real numbers (an error names the argument)."""
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise TypeError(f"{name} must be a pair of positive numbers, got {value!r}.")
+    pair = tuple(real(v, name) for v in value)
+    if min(pair) <= 0:
+        raise ValueError(f"{name} must be positive, got {pair}.")
+    return pair

@@ -502,6 +502,38 @@ def loss_weight(batch: Batch, correction: torch.Tensor | None) -> torch.Tensor |
     return correction * scale.to(correction.dtype).reshape(-1, *[1] * (correction.ndim - 1))
 
 
+def off_policy_keep(scores: Scores, threshold: float) -> torch.Tensor:
+    """Off-policy sequence masking: which terms stay (DeepSeek-V3.2, Eq. 9).
+
+    A term is dropped when its advantage is negative and its response's mean
+    :math:`\\log\\pi_\\text{roll} - \\log\\pi_\\theta` (detached) exceeds ``threshold``.
+
+    Returns:
+        ``[B]`` for one advantage per sequence, ``[B, T]`` for per-token advantages.
+    """
+    drift = (scores.rollout - scores.current.detach()).sum(-1)
+    far = drift / scores.lengths.clamp_min(1).to(drift.dtype) > threshold
+    advantage = scores.advantage.squeeze(-1)  # [B, 1] or [B, T]
+    keep = (advantage >= 0) | far.unsqueeze(-1).logical_not()
+    return keep.squeeze(-1) if keep.shape[-1] == 1 else keep
+
+
+def times(weight: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``weight`` (``[B]`` or ``[B, T]``) times ``keep`` (``[B]`` or ``[B, T]``)."""
+    if weight.ndim < keep.ndim:
+        weight = weight.unsqueeze(-1)
+    elif keep.ndim < weight.ndim:
+        keep = keep.unsqueeze(-1)
+    return weight * keep
+
+
+def dropped_tokens(scores: Scores, keep: torch.Tensor) -> torch.Tensor:
+    """``[B]`` the valid tokens whose terms ``keep`` drops."""
+    if keep.ndim == 1:
+        return torch.where(keep, 0, scores.lengths)
+    return (scores.mask & ~keep).sum(-1)
+
+
 def sequence_advantage(advantage: torch.Tensor, mask: torch.Tensor) -> tuple:
     """One advantage per sequence from per-token ones, and the rows where they vary.
 

@@ -31,8 +31,14 @@ _ROLLOUT = (
     "rollout_max_abs",
 )
 _LAG = ("lag_sum", "lag_max")
+_NEWER = _LAG + ("objective_sum", "off_policy_masked")  # not in 0.2's layout
 # the fields set only in some calls, each group all set or all None
-_OPTIONAL = {"rollout": _ROLLOUT, "policy lag": _LAG}
+_OPTIONAL = {
+    "rollout": _ROLLOUT,
+    "policy lag": _LAG,
+    "objective": ("objective_sum",),
+    "off-policy mask": ("off_policy_masked",),
+}
 
 
 def world_size(group: dist.ProcessGroup | None) -> int:
@@ -62,7 +68,9 @@ class SequenceStatistics(NamedTuple):
     :class:`~torchrl_gspo.GSPOLossOutput`'s fields. A loss output carries them as
     its ``stat_*`` fields (:meth:`from_output`). The ``rollout_*`` fields are
     ``None`` unless the old log-probabilities were recomputed, the ``lag_*`` fields
-    unless the loss reports the policy lag.
+    unless the loss reports the policy lag, ``objective_sum`` unless the objective
+    has a diagnostic of its own (:doc:`/objectives`) and ``off_policy_masked`` unless
+    off-policy sequence masking is on.
 
     Attributes:
         tokens: :math:`\sum_i |y_i|`.
@@ -88,6 +96,9 @@ class SequenceStatistics(NamedTuple):
         lag_sum: :math:`\sum_i (v - v_i)`, the trainer's policy version :math:`v`
             minus the version :math:`v_i` that sampled sequence :math:`i`.
         lag_max: :math:`\max_i (v - v_i)` (maximum; 0 without a sequence).
+        objective_sum: the sum over valid tokens of the objective's own per-token
+            diagnostic value (:doc:`/objectives`).
+        off_policy_masked: the valid tokens that off-policy sequence masking drops.
 
     Examples:
         >>> import torch
@@ -125,6 +136,8 @@ class SequenceStatistics(NamedTuple):
     rollout_max_abs: torch.Tensor | None = None
     lag_sum: torch.Tensor | None = None
     lag_max: torch.Tensor | None = None
+    objective_sum: torch.Tensor | None = None
+    off_policy_masked: torch.Tensor | None = None
 
     @classmethod
     def of(
@@ -134,6 +147,8 @@ class SequenceStatistics(NamedTuple):
         bounds: tuple[torch.Tensor, torch.Tensor],
         rollout: RolloutTerms | None = None,
         lag: torch.Tensor | None = None,
+        objective: torch.Tensor | None = None,
+        masked: torch.Tensor | None = None,
     ) -> SequenceStatistics:
         """The statistics of one batch.
 
@@ -147,6 +162,10 @@ class SequenceStatistics(NamedTuple):
                 recomputed old log-probabilities.
             lag (torch.Tensor, optional): ``[B]`` each row's policy lag
                 :math:`v - v_i`.
+            objective (torch.Tensor, optional): ``[B]`` each row's sum of the
+                objective's per-token diagnostic values.
+            masked (torch.Tensor, optional): ``[B]`` each row's valid tokens dropped
+                by off-policy sequence masking.
 
         Returns:
             SequenceStatistics: in the dtype of ``log_ratio``.
@@ -163,13 +182,7 @@ class SequenceStatistics(NamedTuple):
         weights = torch.where(nonempty, log_ratio, -math.inf)
         lse = torch.stack([weights, 2 * weights]).logsumexp(-1)
         stats = cls(*sums.unbind(), log_ratio.abs().amax(), *lse.unbind())
-        if lag is not None:
-            lag = lag.to(log_ratio.device, log_ratio.dtype)
-            top = torch.where(nonempty, lag, -math.inf).amax()
-            stats = stats._replace(
-                lag_sum=torch.where(nonempty, lag, 0.0).sum(),
-                lag_max=torch.where(nonempty.any(), top, 0.0),
-            )
+        stats = stats._replace(**_optional_sums(nonempty, log_ratio, lag, objective, masked))
         if rollout is None:
             return stats
         clip = (rollout.log_ratio < low) | (rollout.log_ratio > high)
@@ -279,6 +292,10 @@ class SequenceStatistics(NamedTuple):
             )
         if self.lag_sum is not None:
             out.update(policy_lag_mean=self.lag_sum / sequences, policy_lag_max=self.lag_max)
+        if self.objective_sum is not None:
+            out["objective_diagnostic"] = self.objective_sum / tokens
+        if self.off_policy_masked is not None:
+            out["off_policy_masked_fraction"] = self.off_policy_masked / tokens
         return out
 
     def fields(self) -> dict[str, torch.Tensor]:
@@ -304,12 +321,26 @@ class SequenceStatistics(NamedTuple):
             SequenceStatistics: the statistics of the call that produced it.
         """
         values = {n: output.get(PREFIX + n, None) for n in cls._fields}
-        if any(values[n] is None for n in cls._fields if n not in _ROLLOUT + _LAG):
+        if any(values[n] is None for n in cls._fields if n not in _ROLLOUT + _NEWER):
             raise ValueError(
                 f"SequenceStatistics.from_output needs a GSPOLoss output, with its "
                 f"{PREFIX}* fields; got {type(output).__name__} without them."
             )
         return cls(**values)
+
+
+def _optional_sums(nonempty, log_ratio, lag, objective, masked) -> dict[str, torch.Tensor]:
+    """The policy-lag, objective and off-policy-mask statistics that are given."""
+    out = {}
+    if lag is not None:
+        lag = lag.to(log_ratio.device, log_ratio.dtype)
+        top = torch.where(nonempty, lag, -math.inf).amax()
+        out["lag_sum"] = torch.where(nonempty, lag, 0.0).sum()
+        out["lag_max"] = torch.where(nonempty.any(), top, 0.0)
+    for name, value in (("objective_sum", objective), ("off_policy_masked", masked)):
+        if value is not None:
+            out[name] = torch.where(nonempty, value.to(log_ratio.dtype), 0.0).sum()
+    return out
 
 
 class SequenceDiagnosticsOutput(LLMLossOutput):
@@ -326,6 +357,8 @@ class SequenceDiagnosticsOutput(LLMLossOutput):
     rollout_correction_weight: torch.Tensor | None = None
     policy_lag_mean: torch.Tensor | None = None
     policy_lag_max: torch.Tensor | None = None
+    objective_diagnostic: torch.Tensor | None = None
+    off_policy_masked_fraction: torch.Tensor | None = None
     stat_tokens: torch.Tensor | None = None
     stat_log_ratio_sum: torch.Tensor | None = None
     stat_low_tokens: torch.Tensor | None = None
@@ -346,6 +379,8 @@ class SequenceDiagnosticsOutput(LLMLossOutput):
     stat_rollout_max_abs: torch.Tensor | None = None
     stat_lag_sum: torch.Tensor | None = None
     stat_lag_max: torch.Tensor | None = None
+    stat_objective_sum: torch.Tensor | None = None
+    stat_off_policy_masked: torch.Tensor | None = None
 
     @property
     def statistics(self) -> SequenceStatistics:
@@ -400,7 +435,7 @@ class SequenceDiagnosticsOutput(LLMLossOutput):
 
 def _legacy_names(sums: bool) -> list[str]:
     """The statistics in 0.2's ``diagnostics_sum`` (or ``diagnostics_max``) order."""
-    names = [n for n in SequenceStatistics._fields if n not in _LAG]  # newer than 0.2
+    names = [n for n in SequenceStatistics._fields if n not in _NEWER]
     return [n for n in names if (n in _MAXIMA + _LOG_SUMS) != sums]
 
 

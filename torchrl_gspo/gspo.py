@@ -153,6 +153,13 @@ class GSPOLoss(GRPOLoss):
             ``PolicyVersion`` (its ``version``); with it the loss
             reads the version that sampled each row (the ``policy_version`` key)
             and reports the policy lag (:doc:`/diagnostics`). Defaults to ``None``.
+        off_policy_mask_threshold (float | None, optional): :math:`\delta` of
+            off-policy sequence masking (DeepSeek-V3.2,
+            `arXiv:2512.02556 <https://arxiv.org/abs/2512.02556>`_, Eq. 9): a token
+            with a negative advantage is dropped when its response's mean
+            :math:`\frac{1}{|y_i|}\sum_t (\log\pi_\text{roll} - \log\pi_\theta)`
+            exceeds :math:`\delta` (:doc:`/objectives`). ``None`` disables it.
+            Defaults to ``None``.
         **kwargs: every other keyword argument of
             :class:`~torchrl.objectives.llm.GRPOLoss` (``entropy_bonus``,
             ``entropy_coeff``, ``kl_to_ref_coeff``, ``kl_to_inference_coeff``,
@@ -196,6 +203,8 @@ class GSPOLoss(GRPOLoss):
     # as the batch holds them. A clip range above wide_clip_epsilon warns.
     advantage_level: ClassVar[Literal["sequence", "token"]] = "sequence"
     wide_clip_epsilon: ClassVar[float] = 0.01
+    # the aggregation of the objective's paper: another one warns if it is token_mean
+    objective_aggregation: ClassVar[str] = "prompt_mean"
 
     def __init__(
         self,
@@ -210,6 +219,7 @@ class GSPOLoss(GRPOLoss):
         rollout_correction_form: Literal["geometric", "sequence", "token"] = "geometric",
         rollout_correction_threshold: float | tuple[float, float] | None = None,
         policy_version: Callable[[], int] | PolicyVersion | None = None,
+        off_policy_mask_threshold: float | None = None,
         **kwargs,
     ) -> None:
         eps_low, eps_high = _arguments.clip_epsilon(clip_epsilon)
@@ -238,6 +248,9 @@ class GSPOLoss(GRPOLoss):
         self.response_mask_check = response_mask_check
         self._correction, self._correction_form = correction, rollout_correction_form
         self.policy_version = _arguments.version_source(policy_version)
+        self.off_policy_mask_threshold = _arguments.optional_real(
+            off_policy_mask_threshold, "off_policy_mask_threshold"
+        )
         if self.policy_version is not None:
             self._set_in_keys()  # GRPOLoss built them before the attribute existed
         # Warn-once flag: it only silences a repeated warning, never changes a result.
@@ -329,10 +342,21 @@ class GSPOLoss(GRPOLoss):
         rollout = None
         if batch.rollout is not None:
             rollout = rollout_terms(scores.old, scores.rollout, mask, self._correction)
-        stats = SequenceStatistics.of(
-            scores.log_ratio.detach(), scores.lengths, self._clip_bounds, rollout, batch.lag
-        )
         weight = _batch.loss_weight(batch, None if rollout is None else rollout.loss_weight)
+        keep = None
+        if self.off_policy_mask_threshold is not None:
+            keep = _batch.off_policy_keep(scores, self.off_policy_mask_threshold)
+            weight = keep.to(scores.current.dtype) if weight is None else _batch.times(weight, keep)
+        diagnostic = self._diagnostic(scores)
+        stats = SequenceStatistics.of(
+            scores.log_ratio.detach(),
+            scores.lengths,
+            self._clip_bounds,
+            rollout,
+            batch.lag,
+            objective=None if diagnostic is None else diagnostic.detach().sum(-1),
+            masked=None if keep is None else _batch.dropped_tokens(scores, keep),
+        )
         aggregation_mask = self._kl_filter(scores)
         objective = self._objective(scores)
         out = {
@@ -357,6 +381,19 @@ class GSPOLoss(GRPOLoss):
         log_ratio = log_ratio.clamp(torch.finfo(log_ratio.dtype).min, self.max_log_ratio)
         loss, _ = self._compute_policy_objective(log_ratio.reshape(-1, 1, 1), scores.advantage)
         return loss
+
+    def _diagnostic(self, scores: Scores) -> torch.Tensor | None:
+        """The objective's own diagnostic, per token: the hook a variant may override.
+
+        Args:
+            scores (Scores): the batch scored by the current policy.
+
+        Returns:
+            torch.Tensor | None: ``[B, T]`` values, 0 off the mask, whose mean over
+            the valid tokens is the output's ``objective_diagnostic``; ``None``
+            (here) for none.
+        """
+        return None
 
     def _accumulation_dtype(self, current: torch.dtype, old: torch.dtype) -> torch.dtype:
         """The log-probs' promoted dtype, at least float32; half precision warns once."""

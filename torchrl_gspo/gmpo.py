@@ -1,0 +1,140 @@
+# Copyright (c) torchrl_gspo contributors.
+#
+# This source code is licensed under the MIT license found in the
+# LICENSE file in the root directory of this source tree.
+"""GMPO: the geometric mean of clipped token ratios."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torchrl.modules.llm import LLMWrapperBase
+from torchrl.objectives.llm.grpo import LLMLossOutput
+
+from torchrl_gspo._batch import Scores
+from torchrl_gspo.gspo import GSPOLoss, GSPOLossOutput
+
+__all__ = ["GMPOLoss", "GMPOLossOutput"]
+
+
+class GMPOLossOutput(GSPOLossOutput):
+    pass
+
+
+GMPOLossOutput.__doc__ = """GMPO loss output: the fields of :class:`~torchrl_gspo.GSPOLossOutput`.
+
+``objective_diagnostic`` is the fraction of valid tokens whose log-ratio the clip
+changed; the ``clip_fraction`` fields count the sequences whose geometric-mean
+(unclipped) log-ratio leaves :math:`[-\\epsilon_\text{low}, \\epsilon_\text{high}]`.
+
+Examples:
+    >>> from torchrl_gspo import GMPOLossOutput, GSPOLossOutput
+    >>> issubclass(GMPOLossOutput, GSPOLossOutput)
+    True
+"""
+
+
+class GMPOLoss(GSPOLoss):
+    r"""GMPO: Geometric-Mean Policy Optimization.
+
+    GMPO (`arXiv:2507.20673 <https://arxiv.org/abs/2507.20673>`_, Eq. 3) clips each
+    token's ratio :math:`r_{i,t} = \pi_\theta / \pi_\text{old}` *before* taking the
+    geometric mean over the response, in log space and on the side of the advantage's
+    sign:
+
+    .. math::
+
+        J(\theta) = \mathbb{E}\Big[\frac{1}{G} \sum_{i=1}^{G} \hat A_i
+            \exp\Big(\frac{1}{|y_i|} \sum_t c_{i,t}\Big)\Big], \qquad
+        c_{i,t} = \begin{cases}
+            \min(\log r_{i,t}, \operatorname{clip}(\log r_{i,t}, -\epsilon_\text{low},
+                \epsilon_\text{high})) & \hat A_i > 0 \\
+            \max(\log r_{i,t}, \operatorname{clip}(\log r_{i,t}, -\epsilon_\text{low},
+                \epsilon_\text{high})) & \text{otherwise,}
+        \end{cases}
+
+    which is the paper's :math:`(\prod_t |\min(r_{i,t} \hat A_i,
+    \operatorname{clip}(r_{i,t}, e^{-\epsilon_\text{low}}, e^{\epsilon_\text{high}})
+    \hat A_i)|)^{1/|y_i|} \operatorname{sgn}(\hat A_i)`. One advantage per response
+    (the paper defines no other); a row with no response token counts 0 in the mean
+    over rows. ``max_log_ratio`` clamps the mean clipped log-ratio. Keyword arguments,
+    diagnostics and the rollout correction are :class:`~torchrl_gspo.GSPOLoss`' own
+    (:doc:`/objectives`).
+
+    Args:
+        actor_network (LLMWrapperBase): the policy, as for
+            :class:`~torchrl_gspo.GSPOLoss`.
+
+    Keyword Args:
+        clip_epsilon (float | tuple[float, float], optional): the clip range *in log
+            space*, :math:`(\epsilon_\text{low}, \epsilon_\text{high})`. Defaults to
+            the paper's ``0.4`` (the ratio range :math:`(e^{-0.4}, e^{0.4})`).
+        **kwargs: :class:`~torchrl_gspo.GSPOLoss`' other keyword arguments.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict, lazy_stack
+        >>> from tokenizers import Tokenizer, models
+        >>> from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+        >>> from torchrl.modules.llm import TransformersWrapper
+        >>> from torchrl_gspo import GMPOLoss
+        >>> _ = torch.manual_seed(0)
+        >>> words = models.WordLevel({f"t{i}": i for i in range(32)}, unk_token="t2")
+        >>> tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(words),
+        ...     pad_token="t0", eos_token="t1")
+        >>> config = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+        >>> policy = TransformersWrapper(Qwen2ForCausalLM(config).eval(), tokenizer=tokenizer,
+        ...     input_mode="tokens", generate=False, return_log_probs=True, pad_output=False)
+        >>> pairs = [([5, 6, 7], [8, 9, 1]), ([5, 6], [10, 11, 12, 13, 1])]
+        >>> data = lazy_stack([
+        ...     TensorDict(tokens=TensorDict(prompt=torch.tensor(p), response=torch.tensor(r),
+        ...                                  full=torch.tensor(p + r)),
+        ...                advantage=torch.tensor([[a]]))
+        ...     for (p, r), a in zip(pairs, (1.0, -1.0))])
+        >>> with torch.no_grad():  # "old" log-probs: the same weights (on-policy)
+        ...     data = data.set("log_probs", policy(data.copy()).get("log_probs"))
+        >>> out = GMPOLoss(policy, entropy_bonus=False)(data)
+        >>> float(out.loss_objective.detach()), float(out.objective_diagnostic)  # on-policy
+        (0.0, 0.0)
+        >>> out.loss_objective.backward()
+    """
+
+    output_type: type[LLMLossOutput] = GMPOLossOutput
+    wide_clip_epsilon: ClassVar[float] = 1.0
+
+    def __init__(
+        self,
+        actor_network: LLMWrapperBase | None = None,
+        *,
+        clip_epsilon: float | tuple[float, float] = 0.4,
+        **kwargs,
+    ) -> None:
+        super().__init__(actor_network, clip_epsilon=clip_epsilon, **kwargs)
+
+    @property
+    def _clip_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # GMPO's range is in log space: (-eps_low, eps_high)
+        return -self.clip_epsilon_low, self.clip_epsilon_high
+
+    def _clipped(self, scores: Scores) -> torch.Tensor:
+        """``[B, T]`` each token's log-ratio, clipped on its advantage's side."""
+        log_ratio = scores.token_log_ratio  # 0 off the mask, and so is its clip
+        low, high = (b.to(log_ratio.dtype) for b in self._clip_bounds)
+        clipped = log_ratio.clamp(low, high)
+        positive = scores.advantage.reshape(-1, 1) > 0
+        return torch.where(
+            positive, torch.minimum(log_ratio, clipped), torch.maximum(log_ratio, clipped)
+        )
+
+    def _objective(self, scores: Scores) -> torch.Tensor:
+        r""":math:`-\hat A_i` times the geometric mean of the clipped ratios, ``[B, 1, 1]``."""
+        mean = self._clipped(scores).sum(-1) / scores.lengths.clamp_min(1).to(scores.current.dtype)
+        mean = mean.clamp(max=self.max_log_ratio)
+        return -scores.advantage * mean.exp().reshape(-1, 1, 1)
+
+    def _diagnostic(self, scores: Scores) -> torch.Tensor:
+        """``[B, T]`` 1 on the valid tokens whose log-ratio the clip changed."""
+        changed = self._clipped(scores).detach() != scores.token_log_ratio.detach()
+        return (changed & scores.mask).to(scores.current.dtype)

@@ -1,0 +1,135 @@
+# Copyright (c) torchrl_gspo contributors.
+#
+# This source code is licensed under the MIT license found in the
+# LICENSE file in the root directory of this source tree.
+"""SAPO: a soft, sign-dependent gate instead of a hard clip."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+import torch
+from torchrl.modules.llm import LLMWrapperBase
+from torchrl.objectives.llm.grpo import LLMLossOutput
+
+from torchrl_gspo import _arguments
+from torchrl_gspo._batch import Scores
+from torchrl_gspo.gspo import GSPOLoss, GSPOLossOutput
+
+__all__ = ["SAPOLoss", "SAPOLossOutput"]
+
+
+class SAPOLossOutput(GSPOLossOutput):
+    pass
+
+
+SAPOLossOutput.__doc__ = r"""SAPO loss output: the fields of :class:`~torchrl_gspo.GSPOLossOutput`.
+
+``objective_diagnostic`` is the mean over valid tokens of the gate's gradient weight
+:math:`4\sigma(1 - \sigma)` (1 on-policy; towards 0 where the gate saturates). SAPO
+does not clip: the ``clip_fraction`` fields count the sequences whose GSPO ratio
+leaves ``clip_epsilon``'s band, a measure of drift.
+
+Examples:
+    >>> from torchrl_gspo import GSPOLossOutput, SAPOLossOutput
+    >>> issubclass(SAPOLossOutput, GSPOLossOutput)
+    True
+"""
+
+
+class SAPOLoss(GSPOLoss):
+    r"""SAPO: Soft Adaptive Policy Optimization.
+
+    SAPO (Qwen, `arXiv:2511.20347 <https://arxiv.org/abs/2511.20347>`_, Eqs. 5-6)
+    replaces the hard clip by a soft gate on each token's ratio
+    :math:`r_{i,t} = \pi_\theta / \pi_\text{old}`:
+
+    .. math::
+
+        J(\theta) = \mathbb{E}\Big[\frac{1}{G} \sum_{i=1}^{G} \frac{1}{|y_i|}
+            \sum_t \frac{4}{\tau_{i,t}} \sigma\big(\tau_{i,t} (r_{i,t} - 1)\big)
+            \hat A_{i,t}\Big], \qquad
+        \tau_{i,t} = \begin{cases} \tau_\text{pos} & \hat A_{i,t} > 0 \\
+            \tau_\text{neg} & \text{otherwise.} \end{cases}
+
+    Its gradient weighs :math:`r_{i,t} \nabla \log\pi_\theta` by
+    :math:`4\sigma(1 - \sigma)`, 1 on-policy and smoothly smaller as the ratio
+    leaves 1. Advantages are read per token or per sequence, as the batch holds them;
+    ``max_log_ratio`` clamps each token's log-ratio (the gate is then saturated).
+    Keyword arguments and the rollout correction are :class:`~torchrl_gspo.GSPOLoss`'
+    own; ``clip_epsilon`` only sets the band of the ``clip_fraction`` diagnostics
+    (:doc:`/objectives`).
+
+    Args:
+        actor_network (LLMWrapperBase): the policy, as for
+            :class:`~torchrl_gspo.GSPOLoss`.
+
+    Keyword Args:
+        temperatures (tuple[float, float], optional): :math:`(\tau_\text{pos},
+            \tau_\text{neg})`, both positive. Defaults to the paper's ``(1.0, 1.05)``
+            (§5.1).
+        **kwargs: :class:`~torchrl_gspo.GSPOLoss`' other keyword arguments.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict, lazy_stack
+        >>> from tokenizers import Tokenizer, models
+        >>> from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+        >>> from torchrl.modules.llm import TransformersWrapper
+        >>> from torchrl_gspo import SAPOLoss
+        >>> _ = torch.manual_seed(0)
+        >>> words = models.WordLevel({f"t{i}": i for i in range(32)}, unk_token="t2")
+        >>> tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(words),
+        ...     pad_token="t0", eos_token="t1")
+        >>> config = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+        >>> policy = TransformersWrapper(Qwen2ForCausalLM(config).eval(), tokenizer=tokenizer,
+        ...     input_mode="tokens", generate=False, return_log_probs=True, pad_output=False)
+        >>> pairs = [([5, 6, 7], [8, 9, 1]), ([5, 6], [10, 11, 12, 13, 1])]
+        >>> data = lazy_stack([
+        ...     TensorDict(tokens=TensorDict(prompt=torch.tensor(p), response=torch.tensor(r),
+        ...                                  full=torch.tensor(p + r)),
+        ...                advantage=torch.tensor([[a]]))
+        ...     for (p, r), a in zip(pairs, (1.0, -1.0))])
+        >>> with torch.no_grad():  # "old" log-probs: the same weights (on-policy)
+        ...     data = data.set("log_probs", policy(data.copy()).get("log_probs"))
+        >>> out = SAPOLoss(policy, entropy_bonus=False)(data)
+        >>> round(float(out.loss_objective.detach()), 6)  # on-policy: (-2 + 2 / 1.05) / 2
+        -0.047619
+        >>> float(out.objective_diagnostic)
+        1.0
+        >>> out.loss_objective.backward()
+    """
+
+    output_type: type[LLMLossOutput] = SAPOLossOutput
+    advantage_level: ClassVar[Literal["sequence", "token"]] = "token"
+
+    def __init__(
+        self,
+        actor_network: LLMWrapperBase | None = None,
+        *,
+        temperatures: tuple[float, float] = (1.0, 1.05),
+        **kwargs,
+    ) -> None:
+        self.temperatures = _arguments.positive_pair(temperatures, "temperatures")
+        super().__init__(actor_network, **kwargs)
+
+    def _gate(self, scores: Scores) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sigma(tau (r - 1)), tau)``, each ``[B, T]``."""
+        log_ratio = scores.token_log_ratio
+        if self.max_log_ratio is not None:
+            log_ratio = log_ratio.clamp(max=self.max_log_ratio)
+        positive = scores.advantage.squeeze(-1) > 0  # [B, 1] or [B, T]
+        tau = torch.where(positive, *self.temperatures).to(log_ratio.dtype)
+        return torch.sigmoid(tau * log_ratio.expm1()), tau.expand_as(log_ratio)
+
+    def _objective(self, scores: Scores) -> torch.Tensor:
+        """The gated term of each token, ``[B, T, 1]``."""
+        gate, tau = self._gate(scores)
+        return -(4 * gate / tau).unsqueeze(-1) * scores.advantage
+
+    def _diagnostic(self, scores: Scores) -> torch.Tensor:
+        r"""``[B, T]`` the gate's gradient weight :math:`4\sigma(1 - \sigma)`, 0 off the mask."""
+        gate, _ = self._gate(scores)
+        gate = gate.detach()
+        return torch.where(scores.mask, 4 * gate * (1 - gate), 0.0)

@@ -1,0 +1,149 @@
+# Copyright (c) torchrl_gspo contributors.
+#
+# This source code is licensed under the MIT license found in the
+# LICENSE file in the root directory of this source tree.
+"""VESPO: a detached gamma weight of the sequence ratio on a REINFORCE term."""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar, Literal
+
+import torch
+from torchrl.modules.llm import LLMWrapperBase
+from torchrl.objectives.llm.grpo import LLMLossOutput
+
+from torchrl_gspo import _arguments
+from torchrl_gspo._batch import Scores
+from torchrl_gspo.gspo import GSPOLoss, GSPOLossOutput
+
+__all__ = ["VESPOLoss", "VESPOLossOutput"]
+
+_LOG_W_RANGE = (math.log(1e-8), 20.0)  # the clamp of log W (and of each token's log-ratio: +-20)
+
+
+class VESPOLossOutput(GSPOLossOutput):
+    pass
+
+
+VESPOLossOutput.__doc__ = r"""VESPO loss output: the fields of :class:`~torchrl_gspo.GSPOLossOutput`
+(the same as for GSPO).
+
+``objective_diagnostic`` is the mean over valid tokens of :math:`\phi(W_i)` (1
+on-policy). VESPO does not clip: the ``clip_fraction`` fields count the sequences
+whose GSPO ratio leaves ``clip_epsilon``'s band, a measure of drift.
+
+Examples:
+    >>> from torchrl_gspo import GSPOLossOutput, VESPOLossOutput
+    >>> issubclass(VESPOLossOutput, GSPOLossOutput)
+    True
+"""
+
+
+class VESPOLoss(GSPOLoss):
+    r"""VESPO: a variance-reducing gamma weight of the sequence importance ratio.
+
+    VESPO (`arXiv:2602.10693 <https://arxiv.org/abs/2602.10693>`_) weighs a
+    REINFORCE term by a detached function of the product ratio of the response
+    against the policy that sampled it:
+
+    .. math::
+
+        L(\theta) = -\frac{1}{\sum_i |y_i|} \sum_{i,t}
+            \operatorname{sg}[\phi(W_i)]\, \hat A_i \log\pi_\theta(y_{i,t}), \qquad
+        W_i = \prod_t \frac{\pi_\theta(y_{i,t})}{\pi_\text{roll}(y_{i,t})}, \qquad
+        \phi(W) = e^{\lambda} W^k e^{-\lambda W},
+
+    with :math:`\phi(1) = 1` and :math:`(k, \lambda)` chosen by the sign of
+    :math:`\hat A_i`. :math:`W_i` is taken against the rollout log-probabilities
+    (``sample_log_prob``): VESPO corrects the off-policy rollout itself, so the
+    ``rollout_correction`` argument is refused. Each token's log-ratio is clamped to
+    :math:`\pm 20` and :math:`\log W_i` to :math:`[\log 10^{-8}, 20]`. The mean is
+    over all valid tokens (``aggregation="token_mean"``, the default here, as in the
+    authors' code); one advantage per response. Choosing between the objectives:
+    :doc:`/objectives`.
+
+    Args:
+        actor_network (LLMWrapperBase): the policy, as for
+            :class:`~torchrl_gspo.GSPOLoss`.
+
+    Keyword Args:
+        shape_positive (tuple[float, float], optional): :math:`(k, \lambda)` for
+            :math:`\hat A_i \ge 0`. Defaults to the authors' ``(2.0, 3.0)``.
+        shape_negative (tuple[float, float], optional): :math:`(k, \lambda)` for
+            :math:`\hat A_i < 0`. Defaults to the authors' ``(3.0, 2.0)``.
+        aggregation (Literal["token_mean", "prompt_mean", "none"], optional): defaults
+            to ``"token_mean"``.
+        **kwargs: :class:`~torchrl_gspo.GSPOLoss`' other keyword arguments.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict, lazy_stack
+        >>> from tokenizers import Tokenizer, models
+        >>> from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+        >>> from torchrl.modules.llm import TransformersWrapper
+        >>> from torchrl_gspo import VESPOLoss
+        >>> _ = torch.manual_seed(0)
+        >>> words = models.WordLevel({f"t{i}": i for i in range(32)}, unk_token="t2")
+        >>> tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(words),
+        ...     pad_token="t0", eos_token="t1")
+        >>> config = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+        >>> policy = TransformersWrapper(Qwen2ForCausalLM(config).eval(), tokenizer=tokenizer,
+        ...     input_mode="tokens", generate=False, return_log_probs=True, pad_output=False)
+        >>> pairs = [([5, 6, 7], [8, 9, 1]), ([5, 6], [10, 11, 12, 13, 1])]
+        >>> data = lazy_stack([
+        ...     TensorDict(tokens=TensorDict(prompt=torch.tensor(p), response=torch.tensor(r),
+        ...                                  full=torch.tensor(p + r)),
+        ...                advantage=torch.tensor([[a]]))
+        ...     for (p, r), a in zip(pairs, (1.0, -1.0))])
+        >>> with torch.no_grad():  # "old" log-probs: the same weights (on-policy)
+        ...     data = data.set("log_probs", policy(data.copy()).get("log_probs"))
+        >>> out = VESPOLoss(policy, entropy_bonus=False)(data)
+        >>> float(out.objective_diagnostic)  # on-policy: W = 1, phi(1) = 1
+        1.0
+        >>> out.loss_objective.backward()
+    """
+
+    output_type: type[LLMLossOutput] = VESPOLossOutput
+    objective_aggregation: ClassVar[str] = "token_mean"
+
+    def __init__(
+        self,
+        actor_network: LLMWrapperBase | None = None,
+        *,
+        shape_positive: tuple[float, float] = (2.0, 3.0),
+        shape_negative: tuple[float, float] = (3.0, 2.0),
+        aggregation: Literal["token_mean", "prompt_mean", "none"] = "token_mean",
+        **kwargs,
+    ) -> None:
+        if kwargs.get("rollout_correction") is not None:
+            raise ValueError(
+                "VESPOLoss takes W against the rollout log-probabilities, which corrects "
+                "the off-policy rollout itself: leave rollout_correction=None."
+            )
+        self.shapes = (
+            _arguments.positive_pair(shape_positive, "shape_positive"),
+            _arguments.positive_pair(shape_negative, "shape_negative"),
+        )
+        super().__init__(actor_network, aggregation=aggregation, **kwargs)
+
+    def _phi(self, scores: Scores) -> torch.Tensor:
+        r"""``[B]`` the detached weight :math:`\phi(W_i)`."""
+        low, high = _LOG_W_RANGE
+        log_ratio = (scores.current.detach() - scores.rollout).clamp(-high, high)
+        log_w = log_ratio.sum(-1).clamp(low, high)  # both 0 off the mask
+        positive = scores.advantage.reshape(-1) >= 0
+        (k_pos, lam_pos), (k_neg, lam_neg) = self.shapes
+        k = torch.where(positive, k_pos, k_neg).to(log_w.dtype)
+        lam = torch.where(positive, lam_pos, lam_neg).to(log_w.dtype)
+        return (lam + k * log_w - lam * log_w.exp()).exp()
+
+    def _objective(self, scores: Scores) -> torch.Tensor:
+        """:math:`-\\phi(W_i) \\hat A_i \\log\\pi_\theta` per token, ``[B, T, 1]``."""
+        weight = self._phi(scores).reshape(-1, 1, 1) * scores.advantage
+        return -weight * scores.current.unsqueeze(-1)
+
+    def _diagnostic(self, scores: Scores) -> torch.Tensor:
+        r"""``[B, T]`` :math:`\phi(W_i)` on each valid token."""
+        return torch.where(scores.mask, self._phi(scores).unsqueeze(-1), 0.0)
