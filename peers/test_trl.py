@@ -28,8 +28,9 @@ from accelerate import Accelerator
 from gspo_testing import BigramActor, lazy_batch, make_rows, padded
 from test_rollout import decoupled_batch, decoupled_rows
 from trl import GRPOConfig, GRPOTrainer
+from trl.experimental.gmpo import GMPOConfig, GMPOTrainer
 
-from torchrl_gspo import GSPOLoss, RolloutCorrection
+from torchrl_gspo import GMPOLoss, GSPOLoss, LUSPOLoss, RolloutCorrection, SAPOLoss, VESPOLoss
 
 BEGIN = "# Compute the importance sampling ratio when using vLLM"
 END = "# Compute the per-token log probabilities for the reference model"
@@ -60,26 +61,39 @@ def correction_block():
 
 
 def trl_trainer(mode, clip_min, clip_max, accumulation, output_dir, **config):
-    """A GRPOTrainer without a model: the attributes its correction and loss read."""
-    args = GRPOConfig(
-        output_dir=str(output_dir),
-        importance_sampling_level="sequence",  # GSPO
-        loss_type="grpo",
-        epsilon=EPS[0],
-        epsilon_high=EPS[1],
-        beta=0.0,
+    """A GRPOTrainer for GSPO with vLLM's correction (mode and band), without a model."""
+    return trainer_of(
+        output_dir,
+        accumulation=accumulation,
+        vllm=True,
         vllm_importance_sampling_mode=mode,
         vllm_importance_sampling_clip_min=clip_min,
         vllm_importance_sampling_clip_max=clip_max,
+        **config,
+    )
+
+
+def trainer_of(output_dir, *, cls=GRPOTrainer, config=GRPOConfig, accumulation=1, vllm=False, **kw):
+    """A trainer of ``cls`` without a model: the attributes its correction and loss read.
+
+    ``kw`` overrides GSPO's settings (``importance_sampling_level="sequence"``,
+    ``loss_type="grpo"``, the paper's epsilons, no KL); ``vllm`` says whether the
+    batch holds engine log-probs (vLLM itself is not needed).
+    """
+    gspo = {"importance_sampling_level": "sequence", "loss_type": "grpo", "beta": 0.0}
+    if config is GRPOConfig:
+        gspo.update(epsilon=EPS[0], epsilon_high=EPS[1])
+    args = config(
+        output_dir=str(output_dir),
         gradient_accumulation_steps=accumulation,
         report_to="none",
         use_cpu=True,
         bf16=False,
-        **config,
+        **{**gspo, **kw},
     )
-    trainer = object.__new__(GRPOTrainer)
+    trainer = object.__new__(cls)
     trainer.args = args
-    trainer.use_vllm = True  # engine log-probs in the batch; vLLM itself is not needed
+    trainer.use_vllm = vllm
     for name in (
         "loss_type",
         "importance_sampling_level",
@@ -92,7 +106,8 @@ def trl_trainer(mode, clip_min, clip_max, accumulation, output_dir, **config):
         "vllm_importance_sampling_clip_min",
     ):
         setattr(trainer, name, getattr(args, name))
-    trainer.epsilon_low, trainer.epsilon_high = args.epsilon, args.epsilon_high
+    high = args.epsilon if args.epsilon_high is None else args.epsilon_high  # as TRL's init
+    trainer.epsilon_low, trainer.epsilon_high = args.epsilon, high
     trainer.aux_loss_enabled = False
     trainer._entropy_bonus_enabled = False
     trainer.current_gradient_accumulation_steps = accumulation
@@ -262,8 +277,7 @@ def test_trl_delta_is_max_log_ratio(delta, tmp_path):
     for row in rows:
         row["rollout"] = row["old"]
     advantages = torch.stack([r["advantage"].reshape(()) for r in rows])
-    trainer = trl_trainer("sequence_mask", None, 3.0, 1, tmp_path, delta=delta)
-    trainer.use_vllm = False  # no engine: the old log-probs are the rollout's
+    trainer = trainer_of(tmp_path, delta=delta)  # no engine: old = rollout log-probs
     expected, _ = trl_loss(trainer, rows, actor, advantages)
     loss_fn = GSPOLoss(actor, entropy_bonus=False, max_log_ratio=math.log(delta))
     out = loss_fn(lazy_batch(rows))
@@ -276,3 +290,108 @@ def test_trl_delta_is_max_log_ratio(delta, tmp_path):
     log_s = ((t["current"] - t["old"]) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
     above = (log_s > math.log(delta)) & mask.any(-1)
     assert (above & (advantages < 0)).any() and (~above & mask.any(-1)).any()
+
+
+# ---------------------------------------------------------------------------------
+# GSPO's family against TRL's loss types (no engine: the old log-probs sampled)
+# ---------------------------------------------------------------------------------
+FAMILY_ADVANTAGES = torch.tensor([1.0, -0.5, 1.2, 0.8, -1.0, -0.4], dtype=torch.float64)
+
+
+def family_rows(noise, seed=0):
+    actor = BigramActor()
+    rows = make_rows(actor=actor, noise=noise, seed=seed, advantages=FAMILY_ADVANTAGES)
+    for row in rows:
+        row["rollout"] = row["old"]
+    return actor, rows
+
+
+def assert_same(ours, theirs, actor):
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad(ours, actor), grad(theirs, actor), rtol=1e-12, atol=1e-12)
+
+
+def test_luspo_equals_trl(tmp_path):
+    actor, rows = family_rows(noise=5e-3)
+    trainer = trainer_of(tmp_path, loss_type="luspo", epsilon=2e-3, epsilon_high=2.5e-3)
+    expected, _ = trl_loss(trainer, rows, actor, FAMILY_ADVANTAGES)
+    out = LUSPOLoss(actor, entropy_bonus=False)(lazy_batch(rows))
+    assert_same(out.loss_objective, expected, actor)
+    assert 0 < out.sequence_clip_fraction < 1
+
+
+def test_sapo_equals_trl(tmp_path):
+    """SAPO per token (TRL's importance_sampling_level="token"), TRL's temperatures."""
+    actor, rows = family_rows(noise=1.0)
+    trainer = trainer_of(tmp_path, loss_type="sapo", importance_sampling_level="token")
+    expected, _ = trl_loss(trainer, rows, actor, FAMILY_ADVANTAGES)
+    out = SAPOLoss(actor, entropy_bonus=False)(lazy_batch(rows))
+    assert_same(out.loss_objective, expected, actor)
+    assert 0 < out.objective_diagnostic < 0.99  # some gates saturate
+
+
+def test_vespo_equals_trl(tmp_path):
+    """VESPO: TRL divides by the batch's tokens (num_items_in_batch), as token_mean."""
+    actor, rows = family_rows(noise=0.3)
+    trainer = trainer_of(tmp_path, loss_type="vespo", importance_sampling_level="token")
+    expected, _ = trl_loss(trainer, rows, actor, FAMILY_ADVANTAGES)
+    out = VESPOLoss(actor, entropy_bonus=False)(lazy_batch(rows))
+    assert_same(out.loss_objective, expected, actor)
+    assert out.objective_diagnostic < 0.95  # phi(W) away from 1 on some rows
+
+
+def test_vespo_with_an_engine_equals_trl_when_its_band_does_not_bind(tmp_path):
+    """TRL folds its (token_truncate) vLLM ratio into W; with a cap that never binds
+    that is W against the engine's log-probs, VESPOLoss' W."""
+    actor = BigramActor()
+    rows = decoupled_rows(actor, seed=1, mismatch=MISMATCH)
+    for row, advantage in zip(rows, FAMILY_ADVANTAGES, strict=True):
+        row["advantage"] = advantage.reshape(1, 1)
+    trainer = trainer_of(
+        tmp_path,
+        vllm=True,
+        loss_type="vespo",
+        importance_sampling_level="token",
+        vllm_importance_sampling_mode="token_truncate",
+        vllm_importance_sampling_clip_max=1e9,
+    )
+    expected, _ = trl_loss(trainer, rows, actor, FAMILY_ADVANTAGES)
+    out = VESPOLoss(actor, entropy_bonus=False)(decoupled_batch("lazy", rows))
+    assert_same(out.loss_objective, expected, actor)
+
+
+def test_gmpo_equals_trl_but_for_empty_rows(tmp_path):
+    """TRL's experimental GMPO weighs an empty row by exp(0) = 1, adding -A_i / B to
+    the loss value; GMPOLoss counts it 0 (the gradient is the same)."""
+    actor, rows = family_rows(noise=0.6)
+    trainer = trainer_of(tmp_path, cls=GMPOTrainer, config=GMPOConfig)
+    expected, _ = trl_loss(trainer, rows, actor, FAMILY_ADVANTAGES)
+    out = GMPOLoss(actor, entropy_bonus=False)(lazy_batch(rows))
+    empty = torch.tensor([not row["response"].any() for row in rows])
+    assert empty.sum() == 1
+    shift = -(FAMILY_ADVANTAGES * empty).sum() / len(rows)
+    assert_same(out.loss_objective + shift, expected, actor)
+    assert 0 < out.objective_diagnostic < 1  # some tokens clipped
+
+
+@pytest.mark.parametrize("vllm", [False, True])
+def test_off_policy_masking_equals_trl(vllm, tmp_path):
+    """OPSM's "sampling" log-probs: the engine's with vLLM (with TRL's default
+    correction, sequence_mask), the old ones without."""
+    actor = BigramActor()
+    rows = decoupled_rows(actor, seed=2, mismatch=0.3 if vllm else 0.0)
+    for row, advantage in zip(rows, FAMILY_ADVANTAGES, strict=True):
+        row["advantage"] = advantage.reshape(1, 1)
+        if not vllm:
+            row["rollout"] = row["old"]
+    delta = 0.0
+    trainer = trainer_of(tmp_path, vllm=vllm, off_policy_mask_threshold=delta)
+    expected, _ = trl_loss(trainer, rows, actor, FAMILY_ADVANTAGES)
+    kwargs = {"rollout_correction": "masked_is", "rollout_correction_form": "sequence"}
+    loss_fn = GSPOLoss(
+        actor, entropy_bonus=False, off_policy_mask_threshold=delta, **(kwargs if vllm else {})
+    )
+    batch = decoupled_batch("lazy", rows) if vllm else lazy_batch(rows)
+    out = loss_fn(batch)
+    assert_same(out.loss_objective, expected, actor)
+    assert 0 < out.off_policy_masked_fraction < 1
