@@ -108,13 +108,31 @@ from torchrl.trainers.algorithms.grpo import GRPOTrainer
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from torchrl_gspo import GlobalBatchStepper, GSPOLoss, GSPOTokenLoss, RecomputeOldLogProbs
+from torchrl_gspo import (
+    GlobalBatchStepper,
+    GMPOLoss,
+    GSPOLoss,
+    GSPOTokenLoss,
+    LUSPOLoss,
+    RecomputeOldLogProbs,
+    SAPOLoss,
+    VESPOLoss,
+)
 
 LETTERS = "abcdefgh"  # what a response may contain
 PROMPT_LETTERS = "abcd"  # what a prompt asks for
 SPECIALS = ("<pad>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = "chatml_format"  # TorchRL's ChatML template (roles "user", "assistant")
-LOSSES = ("gspo", "gspo-token", "grpo")
+# GSPO and its family, each with its paper's defaults; GRPO with TorchRL's
+FAMILY = {
+    "gspo": GSPOLoss,
+    "gspo-token": GSPOTokenLoss,
+    "luspo": LUSPOLoss,
+    "gmpo": GMPOLoss,
+    "sapo": SAPOLoss,
+    "vespo": VESPOLoss,
+}
+LOSSES = (*FAMILY, "grpo")
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -264,10 +282,8 @@ def make_env(
 
 
 def build_loss(name: str, policy: TransformersWrapper, **kwargs) -> GRPOLoss:
-    if name == "gspo":
-        return GSPOLoss(policy, entropy_bonus=False, **kwargs)  # paper defaults
-    if name == "gspo-token":
-        return GSPOTokenLoss(policy, entropy_bonus=False, **kwargs)
+    if name in FAMILY:
+        return FAMILY[name](policy, entropy_bonus=False, **kwargs)  # paper defaults
     return GRPOLoss(
         policy, clip_epsilon=(0.2, 0.27), aggregation="prompt_mean", entropy_bonus=False
     )
@@ -418,12 +434,14 @@ class StepMetrics:
     def on_loss(self, module: GRPOLoss, args: tuple, out: TensorDictBase) -> None:
         (data,) = args
         seq = getattr(out, "sequence_log_ratio", None)
+        own = getattr(out, "objective_diagnostic", None)  # GMPO, SAPO, VESPO's own
         self._minibatches.append(
             {
                 "loss": sum(v.item() for k, v in out.items() if k.startswith("loss_")),
                 "clip_fraction": valid_token_clip_fraction(out, data, self.loss_name),
                 "ESS": float(out.ESS),
                 "sequence_log_ratio": None if seq is None else float(seq),
+                "objective_diagnostic": None if own is None else float(own),
                 "rewards": data.get(("next", "reward"), as_list=True),
                 "lengths": [r.numel() for r in data.get(("tokens", "response"), as_list=True)],
             }
@@ -446,6 +464,7 @@ class StepMetrics:
                 k: _mean([mb[k] for mb in mbs])
                 for k in ("loss", "clip_fraction", "ESS", "sequence_log_ratio")
             },
+            "objective_diagnostic": _mean([mb["objective_diagnostic"] for mb in mbs]),
             # the first minibatch of the batch, and the later, off-policy ones
             "clip_fraction_first": mbs[0]["clip_fraction"],
             "clip_fraction_off_policy": _mean([mb["clip_fraction"] for mb in mbs[1:]]),
@@ -526,11 +545,12 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
         ax.set_title(titles[key])
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    axes[1].set_yscale("log")
+    if any(r["clip_fraction"] > 0 for records in runs.values() for r in records):
+        axes[1].set_yscale("log")  # GSPO's and GRPO's fractions differ by decades
     axes[0].legend()
     labels = {"gspo": "GSPO (clip 3e-4/4e-4)", "grpo": "GRPO (clip 0.2/0.27)"}
     labels["gspo-token"] = "GSPO-token (clip 3e-4/4e-4)"
-    fig.suptitle(" vs ".join(labels[n] for n in runs) + ", tiny Qwen2")
+    fig.suptitle(" vs ".join(labels.get(n, n.upper()) for n in runs) + ", tiny Qwen2")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -547,6 +567,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
             "clip_fraction_off_policy_mean": _mean(
                 [r["clip_fraction_off_policy"] for r in records]
             ),
+            "objective_diagnostic_mean": _mean([r["objective_diagnostic"] for r in records]),
             "seconds": records[-1]["elapsed_s"],
         }
         if "rank_divergence" in records[-1]:  # under torchrun

@@ -321,11 +321,15 @@ def test_luspo_equals_trl(tmp_path):
 
 
 def test_sapo_equals_trl(tmp_path):
-    """SAPO per token (TRL's importance_sampling_level="token"), TRL's temperatures."""
+    """SAPO per token (TRL's importance_sampling_level="token"). TRL builds the
+    temperatures as a float32 tensor (1.05 becomes 1.0499999523); a negative one exact
+    in float32, 1.0625, compares the rest to 1e-12."""
     actor, rows = family_rows(noise=1.0)
-    trainer = trainer_of(tmp_path, loss_type="sapo", importance_sampling_level="token")
+    trainer = trainer_of(
+        tmp_path, loss_type="sapo", importance_sampling_level="token", sapo_temperature_neg=1.0625
+    )
     expected, _ = trl_loss(trainer, rows, actor, FAMILY_ADVANTAGES)
-    out = SAPOLoss(actor, entropy_bonus=False)(lazy_batch(rows))
+    out = SAPOLoss(actor, entropy_bonus=False, temperatures=(1.0, 1.0625))(lazy_batch(rows))
     assert_same(out.loss_objective, expected, actor)
     assert 0 < out.objective_diagnostic < 0.99  # some gates saturate
 

@@ -51,6 +51,17 @@ def rows_for(actor, noise, seed=0, advantages=ADVANTAGES):
     return make_rows(actor=actor, noise=noise, seed=seed, advantages=advantages)
 
 
+def per_token_advantages(rows, seed):
+    """Random advantages per token on ``rows``: their lazy batch and padded [B, T]."""
+    gen = torch.Generator().manual_seed(seed)
+    for row in rows:
+        row["advantage"] = torch.randn(row["tokens"].shape[0], 1, generator=gen).double()
+    batch = lazy_batch(rows)
+    for td, row in zip(batch.unbind(0), rows, strict=True):
+        td.set("advantage", row["advantage"])
+    return batch, padded(rows, "advantage", 0.0).squeeze(-1)
+
+
 def batch_of(kind, rows):
     return lazy_batch(rows) if kind == "lazy" else dense_batch(rows)
 
@@ -125,7 +136,7 @@ def oracle_sapo(current, old, mask, advantage, taus=(1.0, 1.05)):
     """-(1/B) sum_i (1/|y_i|) sum_t sigmoid(tau (r - 1)) 4 / tau A, tau by A's sign."""
     advantage = advantage if advantage.ndim == 2 else advantage.unsqueeze(-1)
     r = (current - old).exp()
-    tau = torch.where(advantage > 0, taus[0], taus[1]).to(r.dtype)
+    tau = torch.where(advantage > 0, *torch.tensor(taus, dtype=r.dtype))  # 1.05 in float64
     term = -torch.sigmoid(tau * (r - 1)) * 4 / tau * advantage
     term = torch.where(mask, term, torch.zeros_like(term))
     return (term.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
@@ -139,7 +150,7 @@ def test_sapo_matches_its_formula(kind):
     out = SAPOLoss(actor, entropy_bonus=False)(batch_of(kind, rows))
     assert_matches(out, oracle_sapo(current, old, mask, advantage), actor)
     r = (current - old).exp()
-    tau = torch.where(advantage > 0, 1.0, 1.05).to(r.dtype).unsqueeze(-1)
+    tau = torch.where(advantage > 0, *torch.tensor([1.0, 1.05], dtype=r.dtype)).unsqueeze(-1)
     gate = torch.sigmoid(tau * (r - 1))
     weight = (4 * gate * (1 - gate))[mask]
     assert (weight < 0.5).any() and (weight > 0.99).any()  # saturated and open tokens
@@ -150,13 +161,7 @@ def test_sapo_with_per_token_advantages():
     actor = BigramActor()
     rows = rows_for(actor, noise=1.0, seed=3)
     current, old, mask, _ = inputs(actor, rows)
-    gen = torch.Generator().manual_seed(5)
-    for row in rows:
-        row["advantage"] = torch.randn(row["tokens"].shape[0], 1, generator=gen).double()
-    batch = lazy_batch(rows)
-    for td, row in zip(batch.unbind(0), rows, strict=True):
-        td.set("advantage", row["advantage"])
-    advantage = padded(rows, "advantage", 0.0).squeeze(-1)
+    batch, advantage = per_token_advantages(rows, seed=5)
     assert ((advantage > 0) & mask).any() and ((advantage < 0) & mask).any()
     out = SAPOLoss(actor, entropy_bonus=False)(batch)
     assert_matches(out, oracle_sapo(current, old, mask, advantage), actor)
@@ -272,13 +277,7 @@ def test_off_policy_masking_per_token_advantage():
     actor = BigramActor()
     rows = rows_for(actor, noise=0.02, seed=6)
     current, old, mask, _ = inputs(actor, rows)
-    gen = torch.Generator().manual_seed(7)
-    for row in rows:
-        row["advantage"] = torch.randn(row["tokens"].shape[0], 1, generator=gen).double()
-    batch = lazy_batch(rows)
-    for td, row in zip(batch.unbind(0), rows, strict=True):
-        td.set("advantage", row["advantage"])
-    advantage = padded(rows, "advantage", 0.0).squeeze(-1)
+    batch, advantage = per_token_advantages(rows, seed=7)
     drift = torch.where(mask, old - current.detach(), torch.zeros_like(current))
     far = (drift.sum(-1) / mask.sum(-1).clamp(min=1) > 0.0).unsqueeze(-1)
     keep = (advantage >= 0) | ~far

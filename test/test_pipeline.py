@@ -348,6 +348,17 @@ def test_example_runs_and_writes_its_files(tmp_path):
         gspo_toy.parse_args(["--minibatches", "3"])
 
 
+@pytest.mark.parametrize("name", ["luspo", "gmpo", "sapo", "vespo"])
+def test_example_trains_each_objective_of_the_family(name, tmp_path):
+    """examples/gspo_toy.py --loss NAME: one collected batch, four updates, through
+    TorchRL's GRPOTrainer, with the objective's own diagnostic logged."""
+    args = ["--steps", "1", "--loss", name, "--prompts", "2", "--group-size", "4"]
+    summary = gspo_toy.main([*args, "--out", str(tmp_path), "--no-progress"])
+    assert summary[name]["steps"] == 1
+    record = json.loads((tmp_path / f"metrics_{name}.jsonl").read_text().splitlines()[0])
+    assert math.isfinite(record["loss"]) and 0 <= record["clip_fraction"] <= 1
+
+
 def test_history_mode_with_rlhf_masking():
     """History input (ChatML template), masking_strategy="rlhf".
 

@@ -59,32 +59,13 @@ class LUSPOLoss(GSPOLoss):
         **kwargs: :class:`~torchrl_gspo.GSPOLoss`' other keyword arguments.
 
     Examples:
-        >>> import torch
-        >>> from tensordict import TensorDict, lazy_stack
-        >>> from tokenizers import Tokenizer, models
-        >>> from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-        >>> from torchrl.modules.llm import TransformersWrapper
         >>> from torchrl_gspo import LUSPOLoss
-        >>> _ = torch.manual_seed(0)
-        >>> words = models.WordLevel({f"t{i}": i for i in range(32)}, unk_token="t2")
-        >>> tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(words),
-        ...     pad_token="t0", eos_token="t1")
-        >>> config = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32,
-        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
-        >>> policy = TransformersWrapper(Qwen2ForCausalLM(config).eval(), tokenizer=tokenizer,
-        ...     input_mode="tokens", generate=False, return_log_probs=True, pad_output=False)
-        >>> pairs = [([5, 6, 7], [8, 9, 1]), ([5, 6], [10, 11, 12, 13, 1])]
-        >>> data = lazy_stack([
-        ...     TensorDict(tokens=TensorDict(prompt=torch.tensor(p), response=torch.tensor(r),
-        ...                                  full=torch.tensor(p + r)),
-        ...                advantage=torch.tensor([[a]]))
-        ...     for (p, r), a in zip(pairs, (1.0, -1.0))])
-        >>> with torch.no_grad():  # "old" log-probs: the same weights (on-policy)
-        ...     data = data.set("log_probs", policy(data.copy()).get("log_probs"))
-        >>> out = LUSPOLoss(policy, entropy_bonus=False)(data)
-        >>> float(out.loss_objective.detach())  # on-policy: (-1 * 3 + 1 * 5) / 2 rows
-        1.0
-        >>> out.loss_objective.backward()
+        >>> loss_fn = LUSPOLoss(entropy_bonus=False)  # pass the training wrapper first
+        >>> float(loss_fn.clip_epsilon_low), float(loss_fn.clip_epsilon_high)
+        (0.002, 0.0025)
+
+        It is called as :class:`~torchrl_gspo.GSPOLoss`, whose example builds a
+        policy and a batch; on-policy its loss is the mean of :math:`-|y_i| \hat A_i`.
     """
 
     output_type: type[LLMLossOutput] = LUSPOLossOutput

@@ -71,34 +71,14 @@ class SAPOLoss(GSPOLoss):
         **kwargs: :class:`~torchrl_gspo.GSPOLoss`' other keyword arguments.
 
     Examples:
-        >>> import torch
-        >>> from tensordict import TensorDict, lazy_stack
-        >>> from tokenizers import Tokenizer, models
-        >>> from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-        >>> from torchrl.modules.llm import TransformersWrapper
         >>> from torchrl_gspo import SAPOLoss
-        >>> _ = torch.manual_seed(0)
-        >>> words = models.WordLevel({f"t{i}": i for i in range(32)}, unk_token="t2")
-        >>> tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(words),
-        ...     pad_token="t0", eos_token="t1")
-        >>> config = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32,
-        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
-        >>> policy = TransformersWrapper(Qwen2ForCausalLM(config).eval(), tokenizer=tokenizer,
-        ...     input_mode="tokens", generate=False, return_log_probs=True, pad_output=False)
-        >>> pairs = [([5, 6, 7], [8, 9, 1]), ([5, 6], [10, 11, 12, 13, 1])]
-        >>> data = lazy_stack([
-        ...     TensorDict(tokens=TensorDict(prompt=torch.tensor(p), response=torch.tensor(r),
-        ...                                  full=torch.tensor(p + r)),
-        ...                advantage=torch.tensor([[a]]))
-        ...     for (p, r), a in zip(pairs, (1.0, -1.0))])
-        >>> with torch.no_grad():  # "old" log-probs: the same weights (on-policy)
-        ...     data = data.set("log_probs", policy(data.copy()).get("log_probs"))
-        >>> out = SAPOLoss(policy, entropy_bonus=False)(data)
-        >>> round(float(out.loss_objective.detach()), 6)  # on-policy: (-2 + 2 / 1.05) / 2
-        -0.047619
-        >>> float(out.objective_diagnostic)
-        1.0
-        >>> out.loss_objective.backward()
+        >>> loss_fn = SAPOLoss(entropy_bonus=False)  # pass the training wrapper first
+        >>> loss_fn.temperatures
+        (1.0, 1.05)
+
+        It is called as :class:`~torchrl_gspo.GSPOLoss`, whose example builds a
+        policy and a batch; on-policy each token's term is :math:`-2 \hat A / \tau`
+        and ``out.objective_diagnostic`` is 1.
     """
 
     output_type: type[LLMLossOutput] = SAPOLossOutput
@@ -120,7 +100,8 @@ class SAPOLoss(GSPOLoss):
         if self.max_log_ratio is not None:
             log_ratio = log_ratio.clamp(max=self.max_log_ratio)
         positive = scores.advantage.squeeze(-1) > 0  # [B, 1] or [B, T]
-        tau = torch.where(positive, *self.temperatures).to(log_ratio.dtype)
+        pos, neg = (torch.tensor(t, dtype=log_ratio.dtype) for t in self.temperatures)
+        tau = torch.where(positive, pos.to(log_ratio.device), neg.to(log_ratio.device))
         return torch.sigmoid(tau * log_ratio.expm1()), tau.expand_as(log_ratio)
 
     def _objective(self, scores: Scores) -> torch.Tensor:

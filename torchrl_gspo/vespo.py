@@ -77,32 +77,14 @@ class VESPOLoss(GSPOLoss):
         **kwargs: :class:`~torchrl_gspo.GSPOLoss`' other keyword arguments.
 
     Examples:
-        >>> import torch
-        >>> from tensordict import TensorDict, lazy_stack
-        >>> from tokenizers import Tokenizer, models
-        >>> from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-        >>> from torchrl.modules.llm import TransformersWrapper
         >>> from torchrl_gspo import VESPOLoss
-        >>> _ = torch.manual_seed(0)
-        >>> words = models.WordLevel({f"t{i}": i for i in range(32)}, unk_token="t2")
-        >>> tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(words),
-        ...     pad_token="t0", eos_token="t1")
-        >>> config = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32,
-        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
-        >>> policy = TransformersWrapper(Qwen2ForCausalLM(config).eval(), tokenizer=tokenizer,
-        ...     input_mode="tokens", generate=False, return_log_probs=True, pad_output=False)
-        >>> pairs = [([5, 6, 7], [8, 9, 1]), ([5, 6], [10, 11, 12, 13, 1])]
-        >>> data = lazy_stack([
-        ...     TensorDict(tokens=TensorDict(prompt=torch.tensor(p), response=torch.tensor(r),
-        ...                                  full=torch.tensor(p + r)),
-        ...                advantage=torch.tensor([[a]]))
-        ...     for (p, r), a in zip(pairs, (1.0, -1.0))])
-        >>> with torch.no_grad():  # "old" log-probs: the same weights (on-policy)
-        ...     data = data.set("log_probs", policy(data.copy()).get("log_probs"))
-        >>> out = VESPOLoss(policy, entropy_bonus=False)(data)
-        >>> float(out.objective_diagnostic)  # on-policy: W = 1, phi(1) = 1
-        1.0
-        >>> out.loss_objective.backward()
+        >>> loss_fn = VESPOLoss(entropy_bonus=False)  # pass the training wrapper first
+        >>> loss_fn.shapes, loss_fn.aggregation
+        (((2.0, 3.0), (3.0, 2.0)), 'token_mean')
+
+        It is called as :class:`~torchrl_gspo.GSPOLoss`, whose example builds a
+        policy and a batch; on-policy :math:`W_i = 1`, :math:`\phi = 1` and
+        ``out.objective_diagnostic`` is 1.
     """
 
     output_type: type[LLMLossOutput] = VESPOLossOutput
@@ -134,9 +116,8 @@ class VESPOLoss(GSPOLoss):
         log_ratio = (scores.current.detach() - scores.rollout).clamp(-high, high)
         log_w = log_ratio.sum(-1).clamp(low, high)  # both 0 off the mask
         positive = scores.advantage.reshape(-1) >= 0
-        (k_pos, lam_pos), (k_neg, lam_neg) = self.shapes
-        k = torch.where(positive, k_pos, k_neg).to(log_w.dtype)
-        lam = torch.where(positive, lam_pos, lam_neg).to(log_w.dtype)
+        shapes = torch.tensor(self.shapes, dtype=log_w.dtype, device=log_w.device)
+        k, lam = torch.where(positive.unsqueeze(-1), shapes[0], shapes[1]).unbind(-1)
         return (lam + k * log_w - lam * log_w.exp()).exp()
 
     def _objective(self, scores: Scores) -> torch.Tensor:
