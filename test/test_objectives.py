@@ -323,3 +323,25 @@ def test_two_sided_clip_is_max_log_ratio():
 def test_bad_objective_arguments_raise(loss_cls, kwargs, error, words):
     with pytest.raises(error, match=words):
         loss_cls(BigramActor(), **kwargs)
+
+
+@pytest.mark.parametrize("loss_cls", [LUSPOLoss, GMPOLoss, SAPOLoss])
+def test_family_takes_the_sequence_scale_and_the_rollout_correction(loss_cls):
+    """With recomputed old log-probs, a rollout correction and a sequence scale c_i
+    (data parallelism, :doc:`scaling`): the loss is sum_i c_i l_i, l_i the mean over
+    row i's valid tokens of its corrected terms (read with aggregation="none")."""
+    actor = BigramActor()
+    rows = decoupled_rows(actor, seed=3, mismatch=0.01)
+    for row, advantage in zip(rows, ADVANTAGES, strict=True):
+        row["advantage"] = advantage.reshape(1, 1)
+    batch = decoupled_batch("lazy", rows)
+    kwargs = {"entropy_bonus": False, "rollout_correction": "truncate"}
+    terms = loss_cls(actor, aggregation="none", **kwargs)(batch).loss_objective.squeeze(-1)
+    rollout = padded(rows, "rollout", float("nan"))
+    mask = padded(rows, "response", False) & rollout.isfinite()
+    per_row = torch.where(mask, terms, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)
+    scale = torch.linspace(0.05, 0.3, len(rows), dtype=torch.float64)
+    batch.set("sequence_scale", scale)
+    out = loss_cls(actor, **kwargs)(batch)
+    assert_matches(out, (scale * per_row).sum(), actor)
+    assert 0 < out.rollout_correction_fraction < 1

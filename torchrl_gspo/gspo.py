@@ -60,6 +60,9 @@ Attributes:
         rollout correction, set when the old log-probabilities were recomputed.
     policy_lag_mean, policy_lag_max (torch.Tensor): the policy lag, set with the
         loss' ``policy_version`` argument.
+    objective_diagnostic, off_policy_masked_fraction (torch.Tensor): a variant's own
+        diagnostic (:doc:`/objectives`) and the share of tokens off-policy sequence
+        masking dropped, when they apply.
     stat_* (torch.Tensor): the :class:`~torchrl_gspo.SequenceStatistics` the
         diagnostics are computed from (``out.statistics``).
 
