@@ -609,6 +609,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--minibatches ({args.minibatches}) must divide the batch, --prompts x "
             f"--group-size = {args.prompts * args.group_size} responses"
         )
+    if args.loss == "vespo" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        parser.error(  # GlobalBatchStepper writes a sequence scale; a token mean takes none
+            "--loss vespo averages over tokens, which takes no sequence scale: it does not "
+            "run data-parallel here (VESPOLoss(aggregation='prompt_mean') would)"
+        )
     return args
 
 

@@ -318,6 +318,7 @@ def test_two_sided_clip_is_max_log_ratio():
         (SAPOLoss, {"temperatures": 1.0}, TypeError, "temperatures must be a pair"),
         (VESPOLoss, {"shape_negative": (3.0, -1.0)}, ValueError, "shape_negative must be"),
         (GSPOLoss, {"off_policy_mask_threshold": "0.1"}, TypeError, "off_policy_mask_threshold"),
+        (GSPOLoss, {"off_policy_mask_threshold": -0.1}, ValueError, "must be >= 0"),
     ],
 )
 def test_bad_objective_arguments_raise(loss_cls, kwargs, error, words):
@@ -345,3 +346,39 @@ def test_family_takes_the_sequence_scale_and_the_rollout_correction(loss_cls):
     out = loss_cls(actor, **kwargs)(batch)
     assert_matches(out, (scale * per_row).sum(), actor)
     assert 0 < out.rollout_correction_fraction < 1
+
+
+@pytest.mark.parametrize("loss_cls", [GMPOLoss, SAPOLoss])
+def test_without_max_log_ratio_a_huge_ratio_stays_finite(loss_cls):
+    """max_log_ratio=None: GMPO leaves the mean unclamped, SAPO still caps each token's
+    log-ratio at 20 (its gate is saturated long before): no error, no NaN gradient."""
+    actor = BigramActor(dtype=torch.float32)
+    rows = make_rows(actor=actor, noise=1e-3, seed=1, dtype=torch.float32)
+    rows[0]["old"] = rows[0]["old"] - 100.0  # a log-ratio of +100 on row 0's tokens
+    out = loss_cls(actor, entropy_bonus=False, max_log_ratio=None)(lazy_batch(rows))
+    gradient = grad(out.loss_objective, actor)
+    assert gradient.isfinite().all() and not out.loss_objective.isnan()
+
+
+def test_the_family_compiles_to_one_graph():
+    from test_gspo import _graphs
+
+    actor = BigramActor()
+    batch = dense_batch(rows_for(actor, noise=1e-2))
+    for loss_cls in (LUSPOLoss, GMPOLoss, SAPOLoss, VESPOLoss):
+        assert _graphs(loss_cls(actor, entropy_bonus=False), batch) == (1, 0), loss_cls
+    masked = GSPOLoss(actor, entropy_bonus=False, off_policy_mask_threshold=0.0)
+    assert _graphs(masked, batch) == (1, 0)
+
+
+def test_the_new_statistics_combine_over_micro_batches():
+    actor = BigramActor()
+    rows = rows_for(actor, noise=0.6)
+    batch = lazy_batch(rows)
+    loss_fn = GMPOLoss(actor, entropy_bonus=False, off_policy_mask_threshold=0.0)
+    whole = loss_fn(batch)
+    parts = [loss_fn(batch[part]) for part in (slice(0, 2), slice(2, 6))]
+    combined = parts[0].statistics.combine(parts[1].statistics).diagnostics()
+    for name in ("objective_diagnostic", "off_policy_masked_fraction"):
+        close(combined[name], getattr(whole, name))
+    assert 0 < whole.objective_diagnostic < 1 and 0 < whole.off_policy_masked_fraction < 1

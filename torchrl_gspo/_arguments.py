@@ -70,9 +70,17 @@ def clip_epsilon(value) -> tuple[float, float]:
     return low, high
 
 
-def optional_real(value, name: str) -> float | None:
-    """``None``, or ``value`` as a Python float (an error names the argument)."""
-    return None if value is None else real(value, name)
+def off_policy_threshold(value) -> float | None:
+    """``None``, or the off-policy masking threshold, a real number ``>= 0``."""
+    if value is None:
+        return None
+    value = real(value, "off_policy_mask_threshold")
+    if value < 0:
+        raise ValueError(
+            f"off_policy_mask_threshold must be >= 0, got {value}: a negative one would "
+            "drop every negative advantage, on-policy ones included."
+        )
+    return value
 
 
 def max_log_ratio(value) -> float | None:

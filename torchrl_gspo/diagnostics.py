@@ -266,7 +266,9 @@ class SequenceStatistics(NamedTuple):
             ``sequence_clip_fraction``, ``ESS``, ``sequence_log_ratio``,
             ``sequence_log_ratio_max_abs`` and, with rollout statistics, the
             ``rollout_*`` fields, with lag statistics ``policy_lag_mean`` and
-            ``policy_lag_max``; their definitions are on the output class.
+            ``policy_lag_max``, and ``objective_diagnostic`` and
+            ``off_policy_masked_fraction`` when their statistics are set; their
+            definitions are on the output class.
         """
         tokens, sequences = self.tokens.clamp_min(1), self.sequences.clamp_min(1)
         low, high = self.low_tokens / tokens, self.high_tokens / tokens

@@ -129,7 +129,8 @@ def all_reduce_diagnostics(
 
     :class:`~torchrl_gspo.GSPOLoss`' diagnostics (``clip_fraction`` and its
     low/high split, ``sequence_clip_fraction``, ``ESS``, ``sequence_log_ratio``,
-    ``sequence_log_ratio_max_abs``, the ``rollout_*`` and ``policy_lag_*`` fields)
+    ``sequence_log_ratio_max_abs``, the ``rollout_*`` and ``policy_lag_*`` fields,
+    ``objective_diagnostic`` and ``off_policy_masked_fraction``)
     describe the batch
     of one call on one rank. This function reduces their sufficient statistics
     (the output's ``stat_*`` fields, a :class:`~torchrl_gspo.SequenceStatistics`)

@@ -22,11 +22,11 @@ class GMPOLossOutput(GSPOLossOutput):
     pass
 
 
-GMPOLossOutput.__doc__ = """GMPO loss output: the fields of :class:`~torchrl_gspo.GSPOLossOutput`.
+GMPOLossOutput.__doc__ = r"""GMPO loss output: the fields of :class:`~torchrl_gspo.GSPOLossOutput`.
 
 ``objective_diagnostic`` is the fraction of valid tokens whose log-ratio the clip
 changed; the ``clip_fraction`` fields count the sequences whose geometric-mean
-(unclipped) log-ratio leaves :math:`[-\\epsilon_\text{low}, \\epsilon_\text{high}]`.
+(unclipped) log-ratio leaves :math:`[-\epsilon_\text{low}, \epsilon_\text{high}]`.
 
 Examples:
     >>> from torchrl_gspo import GMPOLossOutput, GSPOLossOutput
@@ -112,7 +112,8 @@ class GMPOLoss(GSPOLoss):
     def _objective(self, scores: Scores) -> torch.Tensor:
         r""":math:`-\hat A_i` times the geometric mean of the clipped ratios, ``[B, 1, 1]``."""
         mean = self._clipped(scores).sum(-1) / scores.lengths.clamp_min(1).to(scores.current.dtype)
-        mean = mean.clamp(max=self.max_log_ratio)
+        if self.max_log_ratio is not None:
+            mean = mean.clamp(max=self.max_log_ratio)
         return -scores.advantage * mean.exp().reshape(-1, 1, 1)
 
     def _diagnostic(self, scores: Scores) -> torch.Tensor:

@@ -161,8 +161,8 @@ class GSPOLoss(GRPOLoss):
             `arXiv:2512.02556 <https://arxiv.org/abs/2512.02556>`_, Eq. 9): a token
             with a negative advantage is dropped when its response's mean
             :math:`\frac{1}{|y_i|}\sum_t (\log\pi_\text{roll} - \log\pi_\theta)`
-            exceeds :math:`\delta` (:doc:`/objectives`). ``None`` disables it.
-            Defaults to ``None``.
+            exceeds :math:`\delta \ge 0` (:doc:`/objectives`). ``None`` disables
+            it. Defaults to ``None``.
         **kwargs: every other keyword argument of
             :class:`~torchrl.objectives.llm.GRPOLoss` (``entropy_bonus``,
             ``entropy_coeff``, ``kl_to_ref_coeff``, ``kl_to_inference_coeff``,
@@ -251,9 +251,7 @@ class GSPOLoss(GRPOLoss):
         self.response_mask_check = response_mask_check
         self._correction, self._correction_form = correction, rollout_correction_form
         self.policy_version = _arguments.version_source(policy_version)
-        self.off_policy_mask_threshold = _arguments.optional_real(
-            off_policy_mask_threshold, "off_policy_mask_threshold"
-        )
+        self.off_policy_mask_threshold = _arguments.off_policy_threshold(off_policy_mask_threshold)
         if self.policy_version is not None:
             self._set_in_keys()  # GRPOLoss built them before the attribute existed
         # Warn-once flag: it only silences a repeated warning, never changes a result.

@@ -96,9 +96,10 @@ class SAPOLoss(GSPOLoss):
 
     def _gate(self, scores: Scores) -> tuple[torch.Tensor, torch.Tensor]:
         """``(sigma(tau (r - 1)), tau)``, each ``[B, T]``."""
-        log_ratio = scores.token_log_ratio
-        if self.max_log_ratio is not None:
-            log_ratio = log_ratio.clamp(max=self.max_log_ratio)
+        # the gate is saturated long before: the clamp only keeps exp() finite (0 * inf
+        # would be a NaN gradient), as verl's +-20
+        cap = 20.0 if self.max_log_ratio is None else min(self.max_log_ratio, 20.0)
+        log_ratio = scores.token_log_ratio.clamp(max=cap)
         positive = scores.advantage.squeeze(-1) > 0  # [B, 1] or [B, T]
         pos, neg = (torch.tensor(t, dtype=log_ratio.dtype) for t in self.temperatures)
         tau = torch.where(positive, pos.to(log_ratio.device), neg.to(log_ratio.device))

@@ -60,7 +60,9 @@ class VESPOLoss(GSPOLoss):
     ``rollout_correction`` argument is refused. Each token's log-ratio is clamped to
     :math:`\pm 20` and :math:`\log W_i` to :math:`[\log 10^{-8}, 20]`. The mean is
     over all valid tokens (``aggregation="token_mean"``, the default here, as in the
-    authors' code); one advantage per response. Choosing between the objectives:
+    authors' code), which takes no sequence scale: with :func:`set_sequence_scale` or
+    :class:`~torchrl_gspo.GlobalBatchStepper` pass ``aggregation="prompt_mean"``.
+    One advantage per response. Choosing between the objectives:
     :doc:`/objectives`.
 
     Args:
@@ -96,7 +98,7 @@ class VESPOLoss(GSPOLoss):
         *,
         shape_positive: tuple[float, float] = (2.0, 3.0),
         shape_negative: tuple[float, float] = (3.0, 2.0),
-        aggregation: Literal["token_mean", "prompt_mean", "none"] = "token_mean",
+        aggregation: Literal["token_mean", "prompt_mean", "none"] | None = "token_mean",
         **kwargs,
     ) -> None:
         if kwargs.get("rollout_correction") is not None:
@@ -108,6 +110,7 @@ class VESPOLoss(GSPOLoss):
             _arguments.positive_pair(shape_positive, "shape_positive"),
             _arguments.positive_pair(shape_negative, "shape_negative"),
         )
+        aggregation = "token_mean" if aggregation is None else aggregation
         super().__init__(actor_network, aggregation=aggregation, **kwargs)
 
     def _phi(self, scores: Scores) -> torch.Tensor:
@@ -121,9 +124,11 @@ class VESPOLoss(GSPOLoss):
         return (lam + k * log_w - lam * log_w.exp()).exp()
 
     def _objective(self, scores: Scores) -> torch.Tensor:
-        """:math:`-\\phi(W_i) \\hat A_i \\log\\pi_\theta` per token, ``[B, T, 1]``."""
+        r""":math:`-\phi(W_i) \hat A_i \log\pi_\theta` per token, ``[B, T, 1]``."""
         weight = self._phi(scores).reshape(-1, 1, 1) * scores.advantage
-        return -weight * scores.current.unsqueeze(-1)
+        current = scores.current  # -inf (a token of probability 0): the lowest float
+        current = current.clamp(min=torch.finfo(current.dtype).min)
+        return -weight * current.unsqueeze(-1)
 
     def _diagnostic(self, scores: Scores) -> torch.Tensor:
         r"""``[B, T]`` :math:`\phi(W_i)` on each valid token."""
