@@ -102,9 +102,9 @@ def warn_off_paper(loss, given, eps: tuple[float, float], wide: float, aggregati
     if aggregation == "token_mean" != loss.objective_aggregation:
         warn(
             f"{name} with aggregation='token_mean' averages over all tokens of the batch, "
-            "which weights each sequence by its length: that is not GSPO's objective "
-            "(Eq. 5, a mean over sequences). Use aggregation='prompt_mean' for the "
-            "paper's objective."
+            f"which weights each sequence by its length: that is not {name}'s objective "
+            "(a mean over sequences). Use aggregation='prompt_mean' for the paper's "
+            "objective."
         )
     if max(eps) > wide:
         warn(

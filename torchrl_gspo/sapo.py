@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar, Literal
 
 import torch
@@ -82,6 +83,7 @@ class SAPOLoss(GSPOLoss):
     """
 
     output_type: type[LLMLossOutput] = SAPOLossOutput
+    wide_clip_epsilon: ClassVar[float] = math.inf  # no clip: the band is a diagnostic
     advantage_level: ClassVar[Literal["sequence", "token"]] = "token"
 
     def __init__(

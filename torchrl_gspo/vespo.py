@@ -90,6 +90,7 @@ class VESPOLoss(GSPOLoss):
     """
 
     output_type: type[LLMLossOutput] = VESPOLossOutput
+    wide_clip_epsilon: ClassVar[float] = math.inf  # no clip: the band is a diagnostic
     objective_aggregation: ClassVar[str] = "token_mean"
 
     def __init__(
