@@ -9,6 +9,7 @@ from __future__ import annotations
 from torchrl_gspo._batch import Scores
 from torchrl_gspo.diagnostics import SequenceStatistics
 from torchrl_gspo.distributed import GlobalBatchStepper, all_reduce_diagnostics, set_sequence_scale
+from torchrl_gspo.engine_routes import decode_sglang_routes, routes_from_engine
 from torchrl_gspo.gmpo import GMPOLoss, GMPOLossOutput
 from torchrl_gspo.gspo import GSPOLoss, GSPOLossOutput, GSPOTokenLoss, GSPOTokenLossOutput
 from torchrl_gspo.luspo import LUSPOLoss, LUSPOLossOutput
@@ -42,7 +43,9 @@ __all__ = [
     "VESPOLoss",
     "VESPOLossOutput",
     "all_reduce_diagnostics",
+    "decode_sglang_routes",
     "rollout_terms",
+    "routes_from_engine",
     "routing_volatility",
     "set_sequence_scale",
     "__version__",

@@ -79,6 +79,9 @@ nitpick_ignore = [
     # tensordict's key type alias (str or tuple of str) has no documentation page.
     ("py:class", "NestedKey"),
     ("py:class", "tensordict._nestedkey.NestedKey"),
+    # numpy is not among the offline inventories (_inv/).
+    ("py:class", "numpy.ndarray"),
+    ("py:class", "np.ndarray"),
     # TorchRL's PolicyVersion transform is not in TorchRL's API docs (no page).
     ("py:class", "PolicyVersion"),
     ("py:class", "torchrl.envs.llm.transforms.PolicyVersion"),

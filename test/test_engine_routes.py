@@ -1,0 +1,122 @@
+# Copyright (c) torchrl_gspo contributors.
+#
+# This source code is licensed under the MIT license found in the
+# LICENSE file in the root directory of this source tree.
+"""Engine routes (vLLM, SGLang) as per-row routes: replayed, they force exactly the
+forward the engine ran on every position whose log-probability the loss scores."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from torchrl_gspo import RoutingReplay, decode_sglang_routes, routes_from_engine
+
+LAYERS, MOE_LAYERS, TOP_K, VOCAB = 3, [0, 2], 2, 32
+
+
+def model(seed):
+    """A tiny Qwen3-MoE whose layer 1 is dense (as engines report it: zeros)."""
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=TOP_K,
+        mlp_only_layers=[1],
+    )
+    return Qwen3MoeForCausalLM(config).eval()
+
+
+def engine_and_trainer():
+    """The engine: other weights, so that it routes some tokens elsewhere."""
+    return model(1), model(2)
+
+
+def log_probs(net, tokens):
+    logits = net(tokens.unsqueeze(0)).logits.squeeze(0)
+    return logits[:-1].log_softmax(-1).gather(-1, tokens[1:].unsqueeze(-1)).squeeze(-1)
+
+
+def engine_output(engine, tokens):
+    """What vLLM returns: the engine forward's routes on positions 0 .. n - 2, over
+    all decoder layers (dense ones 0), uint8; and the routes of every position."""
+    with RoutingReplay(engine) as replay, torch.no_grad(), replay.capture() as routes:
+        engine(tokens.unsqueeze(0))
+    full = torch.stack([r.squeeze(0) for r in routes], dim=1)  # [n, moe layers, k]
+    array = np.zeros((tokens.numel() - 1, LAYERS, TOP_K), dtype=np.uint8)
+    array[:, MOE_LAYERS] = full[:-1].numpy()
+    return array, full
+
+
+def replayed_log_probs(trainer, tokens, row_routes):
+    with RoutingReplay(trainer) as replay, torch.no_grad():
+        with replay.replay(replay.from_rows([row_routes])):
+            return log_probs(trainer, tokens)
+
+
+def test_vllm_routes_replay_the_engine_forward_on_every_scored_token():
+    """The adapted routes (the last token's filled with 0 .. k - 1) force the same
+    log-probabilities as the engine's own routes on every position, bit for bit."""
+    engine, trainer = engine_and_trainer()
+    tokens = torch.randint(0, VOCAB, (9,), generator=torch.Generator().manual_seed(0))
+    array, full = engine_output(engine, tokens)
+    routes = routes_from_engine(array, tokens.numel(), MOE_LAYERS)
+    assert routes.shape == (9, len(MOE_LAYERS), TOP_K) and routes[-1, 0].tolist() == [0, 1]
+    forced = replayed_log_probs(trainer, tokens, full)  # hand-forced: the engine's routes
+    assert torch.equal(replayed_log_probs(trainer, tokens, routes), forced)
+    with torch.no_grad():  # the replay matters: the trainer alone routes differently
+        assert not torch.equal(log_probs(trainer, tokens), forced)
+
+
+def test_sglang_routes_decode_to_the_same_routes():
+    engine, _ = engine_and_trainer()
+    tokens = torch.randint(0, VOCAB, (7,), generator=torch.Generator().manual_seed(1))
+    array, _ = engine_output(engine, tokens)
+    encoded = base64.b64encode(array.astype(np.int32).tobytes()).decode()
+    decoded = decode_sglang_routes(encoded, LAYERS, TOP_K)
+    assert decoded.dtype == torch.int32 and torch.equal(decoded, torch.from_numpy(array).int())
+    assert torch.equal(
+        routes_from_engine(decoded, 7, MOE_LAYERS), routes_from_engine(array, 7, MOE_LAYERS)
+    )
+
+
+def test_a_later_turn_takes_its_first_rows_from_the_earlier_routes():
+    """Multi-turn: the engine routes positions start .. n - 2 only; the earlier turn's
+    routes give the rest, and the replay is the same."""
+    engine, trainer = engine_and_trainer()
+    tokens = torch.randint(0, VOCAB, (10,), generator=torch.Generator().manual_seed(2))
+    array, full = engine_output(engine, tokens)
+    start = 4
+    routes = routes_from_engine(array[start:], 10, MOE_LAYERS, start=start, earlier=full[:6])
+    assert torch.equal(routes[:-1], full[:-1])
+    forced = replayed_log_probs(trainer, tokens, full)
+    assert torch.equal(replayed_log_probs(trainer, tokens, routes), forced)
+
+
+@pytest.mark.parametrize(
+    "rows,kwargs,words",
+    [
+        (9, {}, r"expected \[8, >2, top_k\]"),  # a route for the last token too
+        (6, {"start": 2}, r"start=2 needs the routes of the first 2 tokens"),
+    ],
+)
+def test_engine_routes_of_the_wrong_shape_raise(rows, kwargs, words):
+    array = np.zeros((rows, LAYERS, TOP_K), dtype=np.int32)
+    with pytest.raises(ValueError, match=words):
+        routes_from_engine(array, 9, MOE_LAYERS, **kwargs)
+
+
+def test_sglang_buffer_of_the_wrong_size_raises():
+    encoded = base64.b64encode(np.zeros(7, dtype=np.int32).tobytes())
+    with pytest.raises(ValueError, match="do not split into rows of 3 layers x top-2"):
+        decode_sglang_routes(encoded, LAYERS, TOP_K)
