@@ -120,3 +120,38 @@ def test_sglang_buffer_of_the_wrong_size_raises():
     encoded = base64.b64encode(np.zeros(7, dtype=np.int32).tobytes())
     with pytest.raises(ValueError, match="do not split into rows of 3 layers x top-2"):
         decode_sglang_routes(encoded, LAYERS, TOP_K)
+
+
+def test_a_generation_is_captured_in_the_engine_layout():
+    """capture(generation=True) around generate: the prefill's positions, then one per
+    decode step, n - 1 in all; the same routes as a full forward of the sequence, and
+    replayed, that forward's log-probs are the generation's own (from its logits)."""
+    engine, _ = engine_and_trainer()
+    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(4)
+    with RoutingReplay(engine) as replay, torch.no_grad():
+        with replay.capture(generation=True) as routes:
+            out = engine.generate(
+                prompt,
+                max_new_tokens=6,
+                min_new_tokens=6,
+                do_sample=True,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+            )
+        tokens = out.sequences.squeeze(0)
+        n = tokens.numel()
+        captured = torch.stack([r.squeeze(0) for r in routes], dim=1)  # [n - 1, layers, k]
+        assert captured.shape == (n - 1, len(MOE_LAYERS), TOP_K) and n == 11
+        with replay.capture() as full_routes:
+            engine(tokens.unsqueeze(0))
+        full = torch.stack([r.squeeze(0) for r in full_routes], dim=1)
+        assert torch.equal(captured, full[:-1])
+        row = routes_from_engine(captured, n, range(len(MOE_LAYERS)))
+        with replay.replay(replay.from_rows([row])):
+            scored = log_probs(engine, tokens)[-6:]  # the generated tokens
+    logits = torch.stack(out.logits).squeeze(1)  # the decode's own, one step per token
+    generated = logits.log_softmax(-1).gather(-1, tokens[-6:].unsqueeze(-1)).squeeze(-1)
+    # float32: the KV-cache decode and the full forward sum in different orders
+    torch.testing.assert_close(scored, generated, rtol=0, atol=1e-5)

@@ -103,6 +103,7 @@ class RoutingReplay:
         self.routers = [router for _, router, _ in found]
         self._shapes: dict[int, torch.Size] = {}
         self._recorded: list[torch.Tensor | None] | None = None
+        self._appending = False  # whether the running capture appends (a generation)
         self._forced: list[torch.Tensor] | None = None
         self._grad_at_replay = False  # whether the running replay began with gradients on
         self._handles: list[RemovableHandle] = []
@@ -160,7 +161,11 @@ class RoutingReplay:
             if self._recorded is not None:
                 shape = self._shapes[index]
                 dtype = _compact(module.num_experts)
-                self._recorded[index] = output[2].detach().reshape(*shape, -1).to(dtype)
+                routes = output[2].detach().reshape(*shape, -1).to(dtype)
+                earlier = self._recorded[index]
+                if self._appending and earlier is not None:  # a decode step: its positions
+                    routes = torch.cat([earlier, routes], dim=1)
+                self._recorded[index] = routes
             return output
 
         return hook
@@ -236,8 +241,17 @@ class RoutingReplay:
         return list(routes)
 
     @contextlib.contextmanager
-    def capture(self) -> Iterator[list[torch.Tensor]]:
-        """Records the routes of the forwards run inside (the last one per layer).
+    def capture(self, generation: bool = False) -> Iterator[list[torch.Tensor]]:
+        """Records the routes of the forwards run inside.
+
+        Args:
+            generation (bool, optional): ``False`` keeps the last forward's routes per
+                layer; ``True`` appends each forward's positions to the earlier ones,
+                as a ``generate`` with a KV cache runs them: the prompt's prefill, then
+                one position per decode step. A generation of :math:`n` tokens then
+                yields the routes of positions :math:`0 .. n - 2` (the last sampled
+                token is never fed), an engine's layout (:func:`~torchrl_gspo.routes_from_engine`).
+                Defaults to ``False``.
 
         Yields:
             list[torch.Tensor]: filled on exit, one ``[B, T, k]`` tensor per layer.
@@ -247,10 +261,11 @@ class RoutingReplay:
             raise RuntimeError("RoutingReplay.capture does not nest: one capture at a time.")
         routes: list[torch.Tensor] = []
         self._recorded = [None] * self.num_layers
+        self._appending = generation
         try:
             yield routes
         finally:
-            recorded, self._recorded = self._recorded, None
+            recorded, self._recorded, self._appending = self._recorded, None, False
         if any(r is None for r in recorded):
             raise RuntimeError(
                 "RoutingReplay.capture: no forward of the model ran inside (a scorer that "
