@@ -155,3 +155,50 @@ def test_a_generation_is_captured_in_the_engine_layout():
     generated = logits.log_softmax(-1).gather(-1, tokens[-6:].unsqueeze(-1)).squeeze(-1)
     # float32: the KV-cache decode and the full forward sum in different orders
     torch.testing.assert_close(scored, generated, rtol=0, atol=1e-5)
+
+
+def test_engine_routes_replayed_in_the_recompute_and_the_loss():
+    """R3 through TorchRL's wrapper: each row carries the engine's routes at
+    ("routing", "experts"); the recompute gives the trainer's log-probs forced with
+    them (hand-forced per row), and the loss replays the same routes, so the first
+    update is on-policy, where the trainer's own routing is not."""
+    from llm_testing import tiny_qwen_moe, training_wrapper, word_tokenizer
+    from tensordict import TensorDict, lazy_stack
+
+    from torchrl_gspo import GSPOLoss, RecomputeOldLogProbs
+
+    tokenizer = word_tokenizer()
+    engine, trainer = tiny_qwen_moe(tokenizer, 1), tiny_qwen_moe(tokenizer, 2)
+    vocab, moe = trainer.config.vocab_size, list(range(trainer.config.num_hidden_layers))
+    gen = torch.Generator().manual_seed(0)
+    rows, expected = [], []
+    replay = RoutingReplay(trainer)
+    for i, (p, r) in enumerate(((4, 3), (2, 6), (5, 2))):
+        full = torch.randint(3, vocab, (p + r,), generator=gen)
+        with RoutingReplay(engine) as engine_replay, torch.no_grad():
+            with engine_replay.capture() as routes:
+                engine(full.unsqueeze(0))
+        layout = torch.stack([x.squeeze(0) for x in routes], dim=1)[:-1]  # engine's
+        row_routes = routes_from_engine(layout, p + r, moe)
+        with torch.no_grad(), replay.replay(replay.from_rows([row_routes])):
+            expected.append(log_probs(trainer, full))  # hand-forced, tokens 1 .. n - 1
+        tokens = TensorDict(prompt=full[:p], response=full[p:], full=full)
+        rows.append(
+            TensorDict(
+                tokens=tokens,
+                advantage=torch.tensor([[(-1.0) ** i]]),
+                routing=TensorDict(experts=row_routes),
+            )
+        )
+    policy = training_wrapper(trainer, tokenizer)
+    recompute = RecomputeOldLogProbs(policy, out_key="log_probs")
+    replay.replay_for(recompute, tokens_key=("tokens", "full"))
+    with torch.no_grad():  # a replay begun with gradients on refuses no-grad forwards
+        batch = recompute(lazy_stack(rows, 0))
+    for old, want in zip(batch.get(("log_probs", "full"), as_list=True), expected, strict=True):
+        torch.testing.assert_close(old[1:], want, rtol=0, atol=1e-6)  # padding differs
+    replayed, own = GSPOLoss(policy), GSPOLoss(policy)
+    replay.replay_for(replayed)
+    assert replayed(batch).sequence_log_ratio_max_abs < 1e-6
+    assert own(batch).sequence_log_ratio_max_abs > 1e-4  # the trainer routes otherwise
+    replay.remove()
