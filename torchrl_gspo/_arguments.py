@@ -70,30 +70,26 @@ def clip_epsilon(value) -> tuple[float, float]:
     return low, high
 
 
-def off_policy_threshold(value) -> float | None:
-    """``None``, or the off-policy masking threshold, a real number ``>= 0``."""
+def _non_negative(value, name: str, why: str) -> float | None:
+    """``None``, or ``value`` as a real number ``>= 0``; a negative one raises ``why``."""
     if value is None:
         return None
-    value = real(value, "off_policy_mask_threshold")
+    value = real(value, name)
     if value < 0:
-        raise ValueError(
-            f"off_policy_mask_threshold must be >= 0, got {value}: a negative one would "
-            "drop every negative advantage, on-policy ones included."
-        )
+        raise ValueError(f"{name} must be >= 0 or None, got {value}: {why}.")
     return value
+
+
+def off_policy_threshold(value) -> float | None:
+    """``None``, or the off-policy masking threshold, a real number ``>= 0``."""
+    why = "a negative one would drop every negative advantage, on-policy ones included"
+    return _non_negative(value, "off_policy_mask_threshold", why)
 
 
 def max_log_ratio(value) -> float | None:
     """The clamp of the sequence log-ratio: ``None`` or a real number ``>= 0``."""
-    if value is None:
-        return None
-    value = real(value, "max_log_ratio")
-    if value < 0:
-        raise ValueError(
-            f"max_log_ratio must be >= 0 or None, got {value}: a negative clamp would "
-            "move the on-policy sequence ratio (log-ratio 0) below 1."
-        )
-    return value
+    why = "a negative clamp would move the on-policy sequence ratio (log-ratio 0) below 1"
+    return _non_negative(value, "max_log_ratio", why)
 
 
 def warn_off_paper(loss, given, eps: tuple[float, float], wide: float, aggregation: str) -> None:
