@@ -129,6 +129,13 @@ class RecomputeOldLogProbs(Transform):
         self.tokens_key = unravel_key(tokens_key)
         self.response_key = unravel_key(response_key)
 
+    def __call__(self, *args, **kwargs) -> TensorDictBase:
+        # The whole call without gradients, its hooks included: a Routing Replay that a
+        # pre-hook begins (RoutingReplay.replay_for, engine routes) then begins without
+        # them too, as the forward runs.
+        with torch.no_grad():
+            return super().__call__(*args, **kwargs)
+
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         """Writes the old log-probabilities into ``tensordict`` (unless present).
 
