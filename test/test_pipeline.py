@@ -359,6 +359,14 @@ def test_example_trains_each_objective_of_the_family(name, tmp_path):
     assert math.isfinite(record["loss"]) and 0 <= record["clip_fraction"] <= 1
 
 
+def test_example_refuses_vespo_data_parallel(monkeypatch):
+    """VESPO's token mean takes no sequence scale, which GlobalBatchStepper writes."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit):
+        gspo_toy.parse_args(["--loss", "vespo"])
+    gspo_toy.parse_args(["--loss", "sapo"])  # the others run data-parallel
+
+
 def test_history_mode_with_rlhf_masking():
     """History input (ChatML template), masking_strategy="rlhf".
 
