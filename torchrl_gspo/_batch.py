@@ -497,9 +497,7 @@ def loss_weight(batch: Batch, correction: torch.Tensor | None) -> torch.Tensor |
     if batch.scale is None:
         return correction
     scale = batch.scale * batch.scale.shape[0]
-    if correction is None:
-        return scale
-    return correction * scale.to(correction.dtype).reshape(-1, *[1] * (correction.ndim - 1))
+    return scale if correction is None else times(correction, scale.to(correction.dtype))
 
 
 def off_policy_keep(scores: Scores, threshold: float) -> torch.Tensor:
@@ -519,7 +517,7 @@ def off_policy_keep(scores: Scores, threshold: float) -> torch.Tensor:
 
 
 def times(weight: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """``weight`` (``[B]`` or ``[B, T]``) times ``keep`` (``[B]`` or ``[B, T]``)."""
+    """``weight`` times ``keep``, each per sequence ``[B]`` or per token ``[B, T]``."""
     if weight.ndim < keep.ndim:
         weight = weight.unsqueeze(-1)
     elif keep.ndim < weight.ndim:
