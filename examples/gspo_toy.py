@@ -633,5 +633,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
-    if dist.is_initialized():  # under torchrun: leave the process group cleanly
+    if dist.is_initialized():  # under torchrun: leave the process group together
+        dist.barrier()  # rank 0 plots while the others are done: wait for it
         dist.destroy_process_group()
