@@ -201,3 +201,161 @@ def test_engine_routes_replayed_in_the_recompute_and_the_loss():
     assert replayed(batch).sequence_log_ratio_max_abs < 1e-6
     assert own(batch).sequence_log_ratio_max_abs > 1e-4  # the trainer routes otherwise
     replay.remove()
+
+
+def _generator(engine, tokenizer, allowed, pad_output=False, **kwargs):
+    """TorchRL's generating wrapper, sampling only ``allowed`` token ids (and EOS)."""
+    from torchrl.modules.llm import TransformersWrapper
+
+    allowed = set(allowed) | {tokenizer.eos_token_id}
+    banned = [[i] for i in range(len(tokenizer)) if i not in allowed]
+    return TransformersWrapper(
+        engine,
+        tokenizer=tokenizer,
+        input_mode="tokens",
+        generate=True,
+        pad_output=pad_output,
+        return_log_probs=False,
+        generate_kwargs={"max_new_tokens": 7, "do_sample": True, "bad_words_ids": banned, **kwargs},
+    )
+
+
+def _prompts():
+    from tensordict import TensorDict, lazy_stack
+
+    gen = torch.Generator().manual_seed(5)
+    lengths = (3, 6, 1, 4, 5, 2)  # left padding of 0 to 5 tokens
+    prompts = [torch.randint(5, 24, (n,), generator=gen) for n in lengths]
+    return lazy_stack([TensorDict(tokens=TensorDict(prompt=p)) for p in prompts])
+
+
+def test_a_batched_generation_writes_each_row_its_routes():
+    """record_generation on TorchRL's wrapper, left-padded prompts of 1 to 6 tokens,
+    rows ending at different steps (later steps feed padding to the finished rows):
+    each row gets the routes of its own n - 1 positions, as a forward of the row alone
+    routes them (the last token 0 .. k - 1), and the tokens they were fed."""
+    from llm_testing import tiny_qwen_moe, word_tokenizer
+
+    from torchrl_gspo import record_generation
+
+    tokenizer = word_tokenizer()
+    engine = tiny_qwen_moe(tokenizer, 1)
+    replay = RoutingReplay(engine)
+    generator = _generator(engine, tokenizer, range(5, 9))
+    stop = record_generation(replay, generator)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = generator(_prompts())
+    stop()
+    fulls = out.get(("tokens", "full"), as_list=True)
+    responses = out.get(("tokens", "response"), as_list=True)
+    lengths = {r.numel() for r in responses}
+    assert min(lengths) < 7 == max(lengths), "some rows must end before the others"
+    routes = out.get(("routing", "experts"), as_list=True)
+    recorded = out.get(("routing", "tokens"), as_list=True)
+    for full, row, fed in zip(fulls, routes, recorded, strict=True):
+        with torch.no_grad(), replay.capture() as alone:
+            engine(full.unsqueeze(0))
+        alone = torch.stack([r.squeeze(0) for r in alone], dim=1)  # [n, layers, k]
+        assert row.shape == alone.shape and torch.equal(fed, full)
+        assert torch.equal(row[:-1], alone[:-1])
+        assert row[-1].tolist() == [[0, 1]] * replay.num_layers
+    # removed: the next generation records nothing
+    assert ("routing", "experts") not in generator(_prompts()).keys(True)
+    replay.remove()
+
+
+def test_the_engine_log_probs_replay_the_decode_routes_and_match_the_decode():
+    """The engine's log-probs come from a scoring pass on the engine that replays the
+    generation's routes (TorchRL's generation wrapper reports 0 for the first response
+    token): on every response token, the first included, they equal the decode's own
+    log-probs (its logits at each step) to float32 rounding."""
+    from llm_testing import tiny_qwen_moe, training_wrapper, word_tokenizer
+
+    from torchrl_gspo import RecomputeOldLogProbs, record_generation
+
+    tokenizer = word_tokenizer()
+    engine = tiny_qwen_moe(tokenizer, 1)
+    replay = RoutingReplay(engine)
+    generator = _generator(engine, tokenizer, range(5, 9))
+    record_generation(replay, generator)
+    steps = []  # the logits of each forward's last position: one per sampled token
+    engine.register_forward_hook(lambda m, a, out: steps.append(out.logits[:, -1].clone()))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        out = generator(_prompts())
+    decode = torch.stack(steps, dim=1).log_softmax(-1)  # [B, steps, vocab]
+    steps.clear()
+    recompute = RecomputeOldLogProbs(training_wrapper(engine, tokenizer), out_key="log_probs")
+    replay.replay_for(recompute, tokens_key=("tokens", "full"))
+    scored = recompute(out).get(("log_probs", "full"), as_list=True)
+    responses = out.get(("tokens", "response"), as_list=True)
+    for i, (row, response) in enumerate(zip(scored, responses, strict=True)):
+        r = response.numel()
+        own = decode[i, :r].gather(-1, response.unsqueeze(-1)).squeeze(-1)
+        torch.testing.assert_close(row[-r:], own, rtol=0, atol=1e-5)
+    replay.remove()
+
+
+def test_routes_of_positions_no_valid_token_reads_change_nothing():
+    """The last token's route (filled) and the padding's (from_rows') are never read
+    by a valid token: replaced by other experts, the replayed log-probs of every token
+    are unchanged."""
+    from llm_testing import tiny_qwen_moe, word_tokenizer
+
+    from torchrl_gspo import record_generation
+
+    tokenizer = word_tokenizer()
+    engine, trainer = tiny_qwen_moe(tokenizer, 1), tiny_qwen_moe(tokenizer, 2)
+    replay = RoutingReplay(engine)
+    record_generation(replay, generator := _generator(engine, tokenizer, range(5, 9)))
+    torch.manual_seed(2)
+    with torch.no_grad():
+        out = generator(_prompts())
+    fulls = out.get(("tokens", "full"), as_list=True)
+    rows = out.get(("routing", "experts"), as_list=True)
+    width = max(f.numel() for f in fulls)
+    tokens = torch.stack([torch.cat([f.new_zeros(width - f.numel()), f]) for f in fulls])
+    mask = torch.stack([torch.arange(width) >= width - f.numel() for f in fulls])
+    other = [r.clone() for r in rows]
+    for r in other:
+        r[-1] = torch.tensor([6, 7])  # the last token: other experts
+    trainer_replay = RoutingReplay(trainer)
+
+    def scored(row_routes, pad_experts):
+        laid = trainer_replay.from_rows(row_routes)
+        laid = [
+            torch.where(mask[..., None], r, torch.tensor(pad_experts, dtype=r.dtype)) for r in laid
+        ]
+        with torch.no_grad(), trainer_replay.replay(laid):
+            logits = trainer(tokens, attention_mask=mask.long()).logits
+        return logits[:, :-1].log_softmax(-1).gather(-1, tokens[:, 1:, None])[mask[:, 1:]]
+
+    reference = scored(rows, [0, 1])
+    # not bit for bit: each expert's matmul then sees another number of tokens
+    torch.testing.assert_close(scored(other, [4, 5]), reference, rtol=0, atol=1e-6)
+    changed = [r.clone() for r in rows]
+    changed[0][0] = torch.tensor([6, 7])  # a prompt token's route does matter
+    assert (scored(changed, [0, 1]) - reference).abs().max() > 1e-4
+
+
+def test_a_generation_that_cannot_be_aligned_raises():
+    """A sampled pad token, which TorchRL's wrapper drops from its row, raises (and
+    leaves no capture running); a padded output or several samples per prompt are
+    refused when hooked."""
+    from llm_testing import tiny_qwen_moe, word_tokenizer
+
+    from torchrl_gspo import record_generation
+
+    tokenizer = word_tokenizer()
+    engine = tiny_qwen_moe(tokenizer, 1)
+    replay = RoutingReplay(engine)
+    generator = _generator(engine, tokenizer, [tokenizer.pad_token_id, 5], min_new_tokens=7)
+    record_generation(replay, generator)
+    torch.manual_seed(0)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"row\(s\) \[.*ban the pad id"):
+        generator(_prompts())
+    with torch.no_grad(), replay.capture():  # the failed call left no capture running
+        engine(torch.tensor([[5, 6]]))
+    with pytest.raises(ValueError, match="pad_output=False and one response per prompt"):
+        record_generation(replay, _generator(engine, tokenizer, [5], pad_output=True))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from torchrl_gspo._batch import Scores
 from torchrl_gspo.diagnostics import SequenceStatistics
 from torchrl_gspo.distributed import GlobalBatchStepper, all_reduce_diagnostics, set_sequence_scale
-from torchrl_gspo.engine_routes import decode_sglang_routes, routes_from_engine
+from torchrl_gspo.engine_routes import decode_sglang_routes, record_generation, routes_from_engine
 from torchrl_gspo.gmpo import GMPOLoss, GMPOLossOutput
 from torchrl_gspo.gspo import GSPOLoss, GSPOLossOutput, GSPOTokenLoss, GSPOTokenLossOutput
 from torchrl_gspo.luspo import LUSPOLoss, LUSPOLossOutput
@@ -44,6 +44,7 @@ __all__ = [
     "VESPOLossOutput",
     "all_reduce_diagnostics",
     "decode_sglang_routes",
+    "record_generation",
     "rollout_terms",
     "routes_from_engine",
     "routing_volatility",

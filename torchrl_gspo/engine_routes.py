@@ -7,12 +7,18 @@
 from __future__ import annotations
 
 import base64
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from tensordict import LazyStackedTensorDict, TensorDictBase
+from tensordict.utils import NestedKey, unravel_key
+from torch import nn
 
-__all__ = ["decode_sglang_routes", "routes_from_engine"]
+from torchrl_gspo.routing import RoutingReplay
+
+__all__ = ["decode_sglang_routes", "record_generation", "routes_from_engine"]
 
 
 def decode_sglang_routes(encoded: str | bytes, num_layers: int, top_k: int) -> torch.Tensor:
@@ -119,3 +125,155 @@ def routes_from_engine(
             "previous turn's routes, in this format)."
         )
     return torch.cat([earlier[:start].to(routes.dtype), routes, last])
+
+
+def record_generation(
+    replay: RoutingReplay,
+    generator: nn.Module,
+    *,
+    key: NestedKey = ("routing", "experts"),
+    tokens_key: NestedKey = ("tokens", "full"),
+) -> Callable[[], None]:
+    """Records, in each call of ``generator``, the routes its generation ran, per row.
+
+    The local stand-in for an engine's ``routed_experts`` (Rollout Routing Replay, R3:
+    :doc:`/moe`): around each call of a generating TorchRL wrapper (e.g.
+    ``TransformersWrapper(model, generate=True, pad_output=False)``) of the model that
+    ``replay`` hooks, the routes are captured *during* ``generate``: the prefill of the
+    left-padded prompts, then one position per decode step, with the KV cache
+    (:meth:`RoutingReplay.capture` with ``generation=True``). Each row of the output
+    then gets, at ``key``, the routes of its own ``n`` tokens (``[n, layers, k]``, the
+    format of :class:`~torchrl_gspo.RecordRoutes`): the generation's routes of its
+    positions, its padding cut off, and experts ``0 .. k - 1`` for its last token,
+    which the generation never fed (as :func:`routes_from_engine`). Next to them, at
+    ``key``'s sibling ``"tokens"``, go the tokens the model was fed there, checked
+    against the row's tokens, so that :meth:`RoutingReplay.replay_for` can check
+    every later use.
+
+    Args:
+        replay (RoutingReplay): hooks the generator's model.
+        generator (nn.Module): the generating wrapper; its output must be lazily
+            stacked (``pad_output=False``), one row per sequence.
+
+    Keyword Args:
+        key (NestedKey, optional): where the routes go. Defaults to
+            ``("routing", "experts")``.
+        tokens_key (NestedKey, optional): the rows' tokens, prompt and response.
+            Defaults to ``("tokens", "full")``.
+
+    Returns:
+        Callable[[], None]: removes the hooks from ``generator`` and its model.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict, lazy_stack
+        >>> from tokenizers import Tokenizer, models
+        >>> from torchrl.modules.llm import TransformersWrapper
+        >>> from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
+        >>> from torchrl_gspo import RoutingReplay, record_generation
+        >>> _ = torch.manual_seed(0)
+        >>> tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
+        ...     {f"t{i}": i for i in range(32)}, unk_token="t2")), pad_token="t0", eos_token="t1")
+        >>> model = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=32, hidden_size=16,
+        ...     intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=2,
+        ...     num_attention_heads=2, num_key_value_heads=1, num_experts=4,
+        ...     num_experts_per_tok=2, pad_token_id=0, eos_token_id=1)).eval()
+        >>> generator = TransformersWrapper(model, tokenizer=tokenizer, input_mode="tokens",
+        ...     generate=True, pad_output=False, generate_kwargs={"max_new_tokens": 4,
+        ...     "do_sample": True, "bad_words_ids": [[0]]})  # a sampled pad would be dropped
+        >>> replay = RoutingReplay(model)
+        >>> stop = record_generation(replay, generator)
+        >>> prompts = [torch.tensor([5, 6, 7]), torch.tensor([8, 9])]  # left-padded inside
+        >>> out = generator(lazy_stack([TensorDict(tokens=TensorDict(prompt=p)) for p in prompts]))
+        >>> [r.shape[0] == t.numel() for r, t in zip(out.get(("routing", "experts"),
+        ...     as_list=True), out.get(("tokens", "full"), as_list=True))]
+        [True, True]
+        >>> stop()
+    """
+    if getattr(generator, "pad_output", False) or getattr(generator, "num_samples", None):
+        raise ValueError(
+            "record_generation: the generator pads its output or samples several "
+            "responses per prompt (pad_output=True or num_samples); each row must be one "
+            "sequence with its own length. Build it with pad_output=False and one "
+            "response per prompt (repeat the prompts instead, as ChatEnv's repeats does)."
+        )
+    key, tokens_key = unravel_key(key), unravel_key(tokens_key)
+    calls: list[tuple[contextlib.ExitStack, list[torch.Tensor], list[torch.Tensor]]] = []
+
+    def fed(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if calls:  # inside a call of the generator: the tokens of this forward
+            calls[-1][2].append(kwargs["input_ids"] if "input_ids" in kwargs else args[0])
+
+    def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        stack = contextlib.ExitStack()
+        routes = stack.enter_context(replay.capture(generation=True))
+        calls.append((stack, routes, []))
+
+    def after(module: nn.Module, args: tuple, output: TensorDictBase | None) -> None:
+        if not calls:  # `before` raised: nothing was started
+            return
+        stack, routes, inputs = calls.pop()
+        if output is None:  # the generation raised: leave its error alone
+            with contextlib.suppress(RuntimeError):
+                stack.close()
+            return
+        stack.close()  # fills `routes`
+        _write_rows(output, routes, inputs, key, tokens_key)
+
+    handles = [
+        replay.model.register_forward_pre_hook(fed, with_kwargs=True),
+        generator.register_forward_pre_hook(before, with_kwargs=True),
+        generator.register_forward_hook(after, always_call=True),
+    ]
+
+    def remove() -> None:
+        for handle in handles:
+            handle.remove()
+
+    return remove
+
+
+def _write_rows(
+    output: TensorDictBase,
+    routes: list[torch.Tensor],
+    inputs: list[torch.Tensor],
+    key: tuple[str, ...],
+    tokens_key: tuple[str, ...],
+) -> None:
+    """Writes each row's routes ``[n, layers, k]`` and fed tokens on ``output``.
+
+    ``inputs`` holds the tokens of each forward: the left-padded prompts ``[B, P]``,
+    then ``[B, 1]`` per decode step. A row of ``p`` prompt and ``n - p`` response
+    tokens sat at columns ``P - p .. P - p + n - 1`` of their concatenation.
+    """
+    if not isinstance(output, LazyStackedTensorDict) or output.ndim != 1:
+        raise TypeError(
+            "record_generation: the generator's output must be lazily stacked with one "
+            "row per sequence (TransformersWrapper(pad_output=False), without "
+            f"num_samples); got {type(output).__name__} of batch size "
+            f"{tuple(output.batch_size)}."
+        )
+    stacked = torch.stack(routes, dim=-2)  # [B, P + steps, layers, k]
+    prompt_width, fed = inputs[0].shape[1], torch.cat(inputs, dim=1)
+    rows = output.get(tokens_key, as_list=True)
+    responses = output.get(("tokens", "response"), as_list=True)
+    last = torch.arange(stacked.shape[-1], dtype=stacked.dtype).expand(1, *stacked.shape[2:])
+    wrong, written = [], []
+    for i, (tokens, response) in enumerate(zip(rows, responses, strict=True)):
+        n = tokens.numel()
+        left = prompt_width - (n - response.numel())
+        seen = fed[i, left : left + n - 1]
+        if not torch.equal(seen.to(tokens.device), tokens[:-1]):
+            wrong.append(i)
+        written.append(torch.cat([stacked[i, left : left + n - 1], last.to(stacked.device)]))
+    if wrong:
+        raise ValueError(
+            f"record_generation: the tokens at {tokens_key!r} of row(s) {wrong} are not "
+            "the tokens the generation fed to the model. TorchRL's wrapper drops a "
+            "sampled pad token from its row: ban the pad id in generation "
+            "(generate_kwargs={'bad_words_ids': [[pad_token_id]]}), as TorchRL's recipes do."
+        )
+    recorded_key = (*key[:-1], "tokens")
+    for td, route, tokens in zip(output.tensordicts, written, rows, strict=True):
+        td.set(key, route)
+        td.set(recorded_key, tokens)
