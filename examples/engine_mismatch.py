@@ -42,7 +42,6 @@ Outputs in ``--out`` (default ``outputs/engine_mismatch``): ``metrics_<run>.json
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 
@@ -204,25 +203,13 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", default=",".join(RUNS), help="comma list of " + ", ".join(RUNS))
-    parser.add_argument("--steps", type=int, default=70)
     parser.add_argument(
         "--correction",
         default="mask-geometric",
         choices=["mask-geometric", "truncate-geometric", "mask-sequence", "truncate-sequence"],
         help="rollout correction of the gspo-corrected run (default thresholds)",
     )
-    parser.add_argument("--out", type=Path, default=Path("outputs/engine_mismatch"))
-    parser.add_argument("--no-progress", action="store_true")
-    args, rest = parser.parse_known_args(argv)
-    # the task, model and optimiser settings are the example's own
-    toy = gspo_toy.parse_args([*rest, "--steps", str(args.steps)])
-    for key, value in vars(args).items():
-        setattr(toy, key, value)
-    unknown = set(args.runs.split(",")) - set(RUNS)
-    if unknown:
-        parser.error(f"unknown runs {sorted(unknown)}; choose from {list(RUNS)}")
-    return toy
+    return gspo_toy.parse_runs(parser, RUNS, argv, steps=70, out="outputs/engine_mismatch")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -230,10 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     runs = {name: train(name, args) for name in args.runs.split(",")}
     plot(runs, args.out / "engine_mismatch.png")
-    summary = summarize(runs)
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps(summary, indent=2))
-    return summary
+    return gspo_toy.write_summary(args.out, summarize(runs))
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ import json
 import os
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -173,6 +173,49 @@ def build_model(
         tie_word_embeddings=tie,
     )
     return Qwen2ForCausalLM(config).eval()  # eval: no dropout, deterministic ratios
+
+
+def demonstrations(
+    tokenizer: PreTrainedTokenizerFast, rng: random.Random, count: int, args: argparse.Namespace
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``count`` demonstrations as right-padded tokens and the mask of their responses.
+
+    A prompt is rendered as TorchRL's ChatML template renders a one-turn history; its
+    response holds 1 to ``--max-new-tokens`` - 1 letters, each the prompt's letter with
+    probability ``--demo-accuracy`` (another letter otherwise), then the end of turn. A
+    policy imitating them is partly competent: its expected reward is the accuracy.
+    """
+    rows, masks = [], []
+    for _ in range(count):
+        query = rng.choice(PROMPT_LETTERS)
+        others = [c for c in LETTERS if c != query]
+        length = rng.randint(1, args.max_new_tokens - 1)
+        response = "".join(
+            query if rng.random() < args.demo_accuracy else rng.choice(others)
+            for _ in range(length)
+        )
+        prompt = tokenizer(f"<|im_start|>user\n{query}<|im_end|>\n<|im_start|>assistant\n")
+        answer = tokenizer(response + tokenizer.eos_token)
+        rows.append(torch.tensor(prompt["input_ids"] + answer["input_ids"]))
+        masks.append(torch.arange(rows[-1].numel()) >= len(prompt["input_ids"]))
+    tokens = torch.nn.utils.rnn.pad_sequence(rows, True, tokenizer.pad_token_id)
+    return tokens, torch.nn.utils.rnn.pad_sequence(masks, True, False)
+
+
+def warm_start(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, args) -> None:
+    """``--warm-start`` supervised steps (Adam, lr 1e-3, 32 demonstrations each) on
+    in-code demonstrations, so that RL starts from a partly competent policy, as the
+    GSPO paper's pretrained models do."""
+    rng = random.Random(args.seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(args.warm_start):
+        tokens, mask = demonstrations(tokenizer, rng, 32, args)
+        logits = model(tokens, attention_mask=(tokens != tokenizer.pad_token_id).long()).logits
+        targets = tokens[:, 1:].masked_fill(~mask[:, 1:], -100)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
 
 
 def banned_token_ids(tokenizer: PreTrainedTokenizerFast) -> list[list[int]]:
@@ -295,6 +338,7 @@ class Pipeline:
 
     model: Qwen2ForCausalLM
     engine: Qwen2ForCausalLM  # the generator's model: ``model`` itself, or a copy
+    generator: TransformersWrapper  # the collector's policy, generating with ``engine``
     buffer: ReplayBuffer
     collector: LLMCollector
     loss_fn: GRPOLoss
@@ -327,6 +371,8 @@ def build_pipeline(
     tokenizer = build_tokenizer()
     model_fn = model_fn or functools.partial(build_model, tie=not args.untie_head)
     model = model_fn(tokenizer, args.seed)
+    if args.warm_start:  # the same demonstrations on every rank: the same weights
+        warm_start(model, tokenizer, args)
     rank, world = data_parallel()
     scored = model
     if world > 1:
@@ -400,7 +446,7 @@ def build_pipeline(
     )
     if engine is not model:
         trainer.register_op("post_steps", lambda: engine.load_state_dict(model.state_dict()))
-    return Pipeline(model, engine, buffer, collector, loss_fn, trainer)
+    return Pipeline(model, engine, generator, buffer, collector, loss_fn, trainer)
 
 
 def valid_token_clip_fraction(out: TensorDictBase, data: TensorDictBase, loss_name: str) -> float:
@@ -598,6 +644,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument(
+        "--warm-start",
+        type=int,
+        default=0,
+        help="supervised steps on demonstrations before RL (default 0: a random policy)",
+    )
+    parser.add_argument(
+        "--demo-accuracy",
+        type=float,
+        default=0.5,
+        help="share of the demonstrations' letters that are the prompt's (default 0.5)",
+    )
+    parser.add_argument(
         "--untie-head",
         action="store_true",
         help="an output head of its own (Qwen2Config's default), not tied to the embeddings",
@@ -617,6 +675,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def parse_runs(
+    parser: argparse.ArgumentParser,
+    runs: Sequence[str],
+    argv: list[str] | None,
+    *,
+    steps: int,
+    out: str,
+    lr: float | None = None,
+) -> argparse.Namespace:
+    """The arguments of an example built on this one.
+
+    Its own (``parser``), then ``--runs`` (a comma list of ``runs``), ``--steps``,
+    ``--out``, ``--no-progress``, and every option of this example (the task, model and
+    optimiser), ``--lr`` defaulting to ``lr`` when given.
+    """
+    parser.add_argument("--runs", default=",".join(runs), help="comma list of " + ", ".join(runs))
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--out", type=Path, default=Path(out))
+    parser.add_argument("--no-progress", action="store_true")
+    args, rest = parser.parse_known_args(argv)
+    defaults = [] if lr is None else ["--lr", str(lr)]
+    toy = parse_args([*defaults, *rest, "--steps", str(args.steps)])
+    for key, value in vars(args).items():
+        setattr(toy, key, value)
+    unknown = set(args.runs.split(",")) - set(runs)
+    if unknown:
+        parser.error(f"unknown runs {sorted(unknown)}; choose from {list(runs)}")
+    return toy
+
+
+def write_summary(out: Path, summary: dict) -> dict:
+    """Writes ``summary.json`` in ``out`` and prints it."""
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+    return summary
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -625,10 +720,7 @@ def main(argv: list[str] | None = None) -> dict:
     if data_parallel()[0] != 0:  # one summary and plot, from rank 0's batches
         return {}
     plot(runs, args.out / ("_vs_".join(n.replace("-", "_") for n in names) + ".png"))
-    summary = summarize(runs)
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps(summary, indent=2))
-    return summary
+    return write_summary(args.out, summarize(runs))
 
 
 if __name__ == "__main__":

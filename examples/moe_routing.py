@@ -235,18 +235,7 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", default=",".join(RUNS), help="comma list of " + ", ".join(RUNS))
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--out", type=Path, default=Path("outputs/moe_routing"))
-    parser.add_argument("--no-progress", action="store_true")
-    args, rest = parser.parse_known_args(argv)
-    toy = gspo_toy.parse_args([*rest, "--steps", str(args.steps)])
-    for key, value in vars(args).items():
-        setattr(toy, key, value)
-    unknown = set(args.runs.split(",")) - set(RUNS)
-    if unknown:
-        parser.error(f"unknown runs {sorted(unknown)}; choose from {list(RUNS)}")
-    return toy
+    return gspo_toy.parse_runs(parser, RUNS, argv, steps=60, out="outputs/moe_routing")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -256,10 +245,7 @@ def main(argv: list[str] | None = None) -> dict:
     (args.out / "one_update.json").write_text(json.dumps(report, indent=2) + "\n")
     runs = {name: train(name, args) for name in args.runs.split(",")}
     plot(runs, args.out / "moe_routing.png")
-    summary = {"one_update": report, **summarize(runs)}
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps(summary, indent=2))
-    return summary
+    return gspo_toy.write_summary(args.out, {"one_update": report, **summarize(runs)})
 
 
 if __name__ == "__main__":

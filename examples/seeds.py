@@ -1,0 +1,457 @@
+# Copyright (c) torchrl_gspo contributors.
+#
+# This source code is licensed under the MIT license found in the
+# LICENSE file in the root directory of this source tree.
+"""Runs the examples over many seeds and states each effect with a 95% interval.
+
+One trajectory of RL on a tiny model does not survive a change of processor, so a
+claim here is a mean over seeds with its Student-t interval. An *experiment* is a set
+of named configurations (an example script, the run it writes, its arguments); each
+(configuration, seed) runs as its own process with one thread, ``--jobs`` at a time,
+and its record goes into ``results.jsonl`` as soon as it ends: a rerun skips the seeds
+already there (resume), and asking for more seeds runs only the new ones. Each record
+holds the run's summary, its reward per step, the package versions, the CPU model and
+the thread count.
+
+The aggregate, printed as tables and written to ``aggregate.json``:
+
+- per configuration and metric, the mean over seeds with its 95% t-interval;
+- per pair of configurations, the paired difference by seed (``a - b``), with its
+  interval; ``distinguishable`` when the interval excludes 0, and the ratio of the
+  means where the second mean is not 0;
+- ``curves.png``: the mean reward per step of each configuration, with its 95% band.
+
+Derived per seed: ``reward_gain`` (last 10% of steps minus first 10%, the run's own
+paired difference) and ``reward_auc`` (the mean reward over all steps: the area under
+the reward-against-samples curve, per sample).
+
+Usage::
+
+    python examples/seeds.py --list
+    python examples/seeds.py lr1e-3 --seeds 8        # GSPO against GRPO, 8 seeds
+    python examples/seeds.py smoke --seeds 2 --out outputs/seeds-smoke
+
+Outputs in ``--out`` (default ``outputs/seeds/<experiment>``): ``results.jsonl``,
+``aggregate.json``, ``curves.png`` and each run's own outputs under ``runs/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parent
+PACKAGES = ("torch", "torchrl", "tensordict", "transformers", "tokenizers", "torchrl_gspo")
+THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration: ``examples/<script>.py <args>``, whose run ``run`` is read."""
+
+    script: str
+    run: str
+    args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """Configurations run over the same seeds, the metrics read, the pairs compared."""
+
+    description: str
+    configs: dict[str, Config]
+    metrics: tuple[str, ...]
+    pairs: tuple[tuple[str, str], ...] = ()
+    seeds: int = 8
+
+
+TOY = ("reward_first_10pct", "reward_last_10pct", "reward_gain", "reward_auc")
+CLIPS = ("clip_fraction_mean", "clip_fraction_off_policy_mean")
+WARM = ("--warm-start", "200", "--steps", "120")
+ENGINE_METRICS = (
+    *TOY,
+    "clip_fraction_first_minibatch_mean",
+    "clip_fraction_off_policy_mean",
+    "log_rho_mean_abs",
+    "correction_fraction_mean",
+)
+MOE_METRICS = (*TOY, "clip_fraction_off_policy_mean", "expert_volatility_mean")
+R3_METRICS = (
+    *TOY,
+    "clip_fraction_first_mean",
+    "clip_fraction_off_policy_mean",
+    "log_rho_abs_none_mean",
+    "log_rho_abs_r3_mean",
+    "set_mismatch_mean",
+    "expert_mismatch_mean",
+)
+
+
+def _toy(loss: str, *args: str) -> Config:
+    return Config("gspo_toy", loss, ("--loss", loss, *args))
+
+
+def _r3(run: str) -> Config:
+    return Config("moe_engine", run, ("--runs", run, "--steps", "20", "--lr", "1e-5"))
+
+
+EXPERIMENTS = {
+    "smoke": Experiment(
+        "CI smoke run of the runner: two tiny runs per seed",
+        {
+            name: _toy(name, "--steps", "3", "--prompts", "2", "--group-size", "4")
+            for name in ("gspo", "grpo")
+        },
+        (*TOY, *CLIPS),
+        (("gspo", "grpo"),),
+        seeds=2,
+    ),
+    "lr1e-3": Experiment(
+        "GSPO against GRPO from a random policy, lr 1e-3 (the README's example, 60 steps)",
+        {name: _toy(name, "--steps", "60") for name in ("gspo", "grpo")},
+        (*TOY, *CLIPS),
+        (("gspo", "grpo"),),
+    ),
+    "paper-regime": Experiment(
+        "GSPO against GRPO after a supervised warm start, at the paper's clip fraction",
+        {name: _toy(name, *WARM, "--lr", "7e-6") for name in ("gspo", "grpo")},
+        (*TOY, *CLIPS),
+        (("gspo", "grpo"),),
+    ),
+    "engine": Experiment(
+        "old log-probs from a bfloat16 engine, recomputed, recomputed with correction",
+        {
+            run: Config("engine_mismatch", run, ("--runs", run, "--steps", "40"))
+            for run in ("gspo-rollout", "gspo-recomputed", "gspo-corrected")
+        },
+        ENGINE_METRICS,
+        (("gspo-rollout", "gspo-recomputed"), ("gspo-corrected", "gspo-recomputed")),
+    ),
+    "moe": Experiment(
+        "GRPO and GSPO on a tiny MoE, with and without Routing Replay",
+        {
+            run: Config("moe_routing", run, ("--runs", run, "--steps", "40"))
+            for run in ("grpo", "grpo-replay", "gspo", "gspo-replay")
+        },
+        MOE_METRICS,
+        (("grpo-replay", "grpo"), ("gspo-replay", "gspo"), ("gspo", "grpo")),
+        seeds=5,
+    ),
+    "r3": Experiment(
+        "R3 against R2 and no replay, bfloat16 engine, old policy engine or recomputed",
+        {
+            run: _r3(run)
+            for run in (
+                "engine-none",
+                "engine-r2",
+                "engine-r3",
+                "recomputed-none",
+                "recomputed-r2",
+                "recomputed-r3",
+            )
+        },
+        R3_METRICS,
+        (
+            ("engine-r3", "engine-none"),
+            ("engine-r2", "engine-none"),
+            ("recomputed-r3", "recomputed-none"),
+            ("recomputed-r2", "recomputed-none"),
+            ("recomputed-r3", "recomputed-r2"),
+        ),
+        seeds=5,
+    ),
+}
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The ``p`` quantile (``p > 0.5``) of Student's t with ``df`` degrees of freedom.
+
+    By bisection on the distribution function, whose density is integrated with
+    Simpson's rule (2000 intervals): no SciPy needed.
+    """
+    log_norm = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+
+    def density(x: float) -> float:
+        return math.exp(log_norm - (df + 1) / 2 * math.log1p(x * x / df))
+
+    def cdf(t: float, n: int = 2000) -> float:
+        h = t / n
+        inner = sum((4 if i % 2 else 2) * density(i * h) for i in range(1, n))
+        return 0.5 + h / 3 * (density(0.0) + inner + density(t))
+
+    low, high = 0.0, 1.0
+    while cdf(high) < p:
+        low, high = high, 2 * high
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if cdf(mid) < p else (low, mid)
+    return (low + high) / 2
+
+
+def interval(values: list[float]) -> dict:
+    """Mean and 95% t-interval of ``values`` (``None`` bounds with fewer than 2)."""
+    n, mean = len(values), statistics.fmean(values)
+    if n < 2:
+        return {"n": n, "mean": mean, "low": None, "high": None}
+    half = t_quantile(0.975, n - 1) * statistics.stdev(values) / math.sqrt(n)
+    return {"n": n, "mean": mean, "low": mean - half, "high": mean + half}
+
+
+def environment() -> dict:
+    """Package versions, CPU model, and the thread count a run's torch sees."""
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name.replace("_", "-"))
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = [
+            line.split(":", 1)[1].strip()
+            for line in cpuinfo.read_text().splitlines()
+            if line.startswith("model name")
+        ]
+        cpu = names[0] if names else cpu
+    threads = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+        env={**os.environ, **THREADS},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    return {"versions": versions, "cpu": cpu, "threads": int(threads)}
+
+
+def run_one(name: str, config: Config, seed: int, out: Path) -> dict:
+    """Runs one (configuration, seed) in its own process; returns its record."""
+    run_dir = out / "runs" / name / f"seed{seed}"
+    command = [
+        sys.executable,
+        str(EXAMPLES / f"{config.script}.py"),
+        *config.args,
+        "--seed",
+        str(seed),
+        "--out",
+        str(run_dir),
+        "--no-progress",
+    ]
+    done = subprocess.run(
+        command, env={**os.environ, **THREADS}, capture_output=True, text=True, check=False
+    )
+    if done.returncode:
+        raise RuntimeError(f"{name} seed {seed} failed:\n{done.stderr[-3000:]}")
+    summary = json.loads((run_dir / "summary.json").read_text())[config.run]
+    records = [json.loads(line) for line in (run_dir / f"metrics_{config.run}.jsonl").open()]
+    curve = [r["reward"] for r in records]
+    summary["reward_gain"] = summary["reward_last_10pct"] - summary["reward_first_10pct"]
+    summary["reward_auc"] = statistics.fmean(curve)
+    return {
+        "config": name,
+        "seed": seed,
+        "summary": summary,
+        "curve": curve,
+        "command": " ".join(command[1:]),
+    }
+
+
+def load(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.open()] if path.exists() else []
+
+
+def run_all(experiment: Experiment, seeds: int, jobs: int, out: Path) -> list[dict]:
+    """Runs the missing (configuration, seed) pairs, ``jobs`` at a time; resumes."""
+    results_path = out / "results.jsonl"
+    records = load(results_path)
+    done = {(r["config"], r["seed"]) for r in records}
+    todo = [
+        (name, seed)
+        for seed in range(seeds)
+        for name in experiment.configs
+        if (name, seed) not in done
+    ]
+    print(f"{len(done)} runs on record, {len(todo)} to run", flush=True)
+    if not todo:
+        return records
+    machine, lock, failures = environment(), threading.Lock(), []
+
+    def job(name: str, seed: int) -> None:
+        try:
+            record = {**run_one(name, experiment.configs[name], seed, out), **machine}
+        except (RuntimeError, OSError, KeyError, ValueError) as error:
+            failures.append(str(error))
+            print(error, file=sys.stderr, flush=True)
+            return
+        with lock:
+            with results_path.open("a") as file:
+                file.write(json.dumps(record) + "\n")
+            records.append(record)
+            print(
+                f"done {name} seed {seed} ({record['summary'].get('seconds', 0):.0f} s)", flush=True
+            )
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        for name, seed in todo:
+            pool.submit(job, name, seed)
+    if failures:
+        raise SystemExit(f"{len(failures)} run(s) failed; rerun to retry them")
+    return records
+
+
+def aggregate(experiment: Experiment, records: list[dict]) -> dict:
+    """Per configuration and metric, the mean and interval; per pair, paired differences."""
+    by = {(r["config"], r["seed"]): r["summary"] for r in records}
+    seeds = sorted({seed for _, seed in by})
+    configs = {}
+    for name in experiment.configs:
+        configs[name] = {
+            metric: interval(
+                [
+                    by[name, s][metric]
+                    for s in seeds
+                    if (name, s) in by and by[name, s].get(metric) is not None
+                ]
+            )
+            for metric in experiment.metrics
+            if any(by.get((name, s), {}).get(metric) is not None for s in seeds)
+        }
+    pairs = {}
+    for a, b in experiment.pairs:
+        common = [s for s in seeds if (a, s) in by and (b, s) in by]
+        pair = {}
+        for metric in set(configs.get(a, {})) & set(configs.get(b, {})):
+            diffs = [
+                by[a, s][metric] - by[b, s][metric]
+                for s in common
+                if by[a, s].get(metric) is not None and by[b, s].get(metric) is not None
+            ]
+            if not diffs:
+                continue
+            stats = interval(diffs)
+            stats["distinguishable"] = stats["low"] is not None and (
+                stats["low"] > 0 or stats["high"] < 0
+            )
+            mean_b = configs[b][metric]["mean"]
+            stats["ratio_of_means"] = configs[a][metric]["mean"] / mean_b if mean_b else None
+            pair[metric] = stats
+        pairs[f"{a} - {b}"] = pair
+    return {"configs": configs, "pairs": pairs, "seeds": seeds}
+
+
+def _fmt(stats: dict) -> str:
+    if stats["low"] is None:
+        return f"{stats['mean']:.4g} (n={stats['n']})"
+    return f"{stats['mean']:.4g} [{stats['low']:.4g}, {stats['high']:.4g}]"
+
+
+def table(experiment: Experiment, result: dict) -> str:
+    """Markdown tables: per configuration, then per pair."""
+    metrics = [m for m in experiment.metrics if any(m in c for c in result["configs"].values())]
+    lines = [
+        "| configuration | n | " + " | ".join(metrics) + " |",
+        "|---|---|" + "---|" * len(metrics),
+    ]
+    for name, stats in result["configs"].items():
+        n = max((s["n"] for s in stats.values()), default=0)
+        cells = [_fmt(stats[m]) if m in stats else "-" for m in metrics]
+        lines.append(f"| {name} | {n} | " + " | ".join(cells) + " |")
+    for pair, stats in result["pairs"].items():
+        lines += [
+            "",
+            f"paired difference {pair} (by seed; 95% t-interval):",
+            "",
+            "| metric | n | difference | distinguishable | ratio of means |",
+            "|---|---|---|---|---|",
+        ]
+        for metric in metrics:
+            if metric in stats:
+                s = stats[metric]
+                ratio = "undefined" if s["ratio_of_means"] is None else f"{s['ratio_of_means']:.3g}"
+                verdict = "yes" if s["distinguishable"] else "not distinguishable"
+                lines.append(f"| {metric} | {s['n']} | {_fmt(s)} | {verdict} | {ratio} |")
+    return "\n".join(lines)
+
+
+def plot(experiment: Experiment, records: list[dict], path: Path) -> None:
+    """Mean reward per step of each configuration, with its 95% band over seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for name in experiment.configs:
+        curves = [r["curve"] for r in records if r["config"] == name]
+        if not curves:
+            continue
+        steps = min(map(len, curves))
+        stats = [interval([c[t] for c in curves]) for t in range(steps)]
+        mean = [s["mean"] for s in stats]
+        ax.plot(range(steps), mean, label=f"{name} (n={len(curves)})", linewidth=1.3)
+        if len(curves) > 1:
+            ax.fill_between(
+                range(steps), [s["low"] for s in stats], [s["high"] for s in stats], alpha=0.2
+            )
+    ax.set_xlabel("step (batches of samples)")
+    ax.set_ylabel("mean reward")
+    ax.set_title(experiment.description, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("experiment", nargs="?", choices=list(EXPERIMENTS))
+    parser.add_argument("--seeds", type=int, help="seeds 0 .. N-1 (default: the experiment's)")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each")
+    parser.add_argument("--out", type=Path, help="default outputs/seeds/<experiment>")
+    parser.add_argument("--aggregate-only", action="store_true", help="run nothing new")
+    parser.add_argument("--list", action="store_true", help="list the experiments")
+    args = parser.parse_args(argv)
+    if not args.list and args.experiment is None:
+        parser.error("name an experiment (--list lists them)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.list:
+        for name, experiment in EXPERIMENTS.items():
+            print(f"{name}: {experiment.description} ({experiment.seeds} seeds)")
+        return {}
+    experiment = EXPERIMENTS[args.experiment]
+    out = args.out or Path("outputs/seeds") / args.experiment
+    out.mkdir(parents=True, exist_ok=True)
+    seeds = args.seeds or experiment.seeds
+    if args.aggregate_only:
+        records = load(out / "results.jsonl")
+    else:
+        records = run_all(experiment, seeds, args.jobs, out)
+    records = [r for r in records if r["seed"] < seeds]
+    result = aggregate(experiment, records)
+    result["experiment"] = args.experiment
+    result["description"] = experiment.description
+    (out / "aggregate.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(experiment, records, out / "curves.png")
+    print(f"{args.experiment}: {experiment.description}; seeds {result['seeds']}")
+    print(table(experiment, result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+# Copyright (c) torchrl_gspo contributors.
+#
+# This source code is licensed under the MIT license found in the
+# LICENSE file in the root directory of this source tree.
+"""The many-seed runner (``examples/seeds.py``), the warm start and the R3 example."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import math
+import random
+import statistics
+
+import pytest
+import torch
+from llm_testing import example
+
+seeds = example("seeds")
+
+
+def _t4(p):
+    """Student's t quantile with 4 degrees of freedom, in closed form."""
+    alpha = 4 * p * (1 - p)
+    q = math.cos(math.acos(math.sqrt(alpha)) / 3) / math.sqrt(alpha)
+    return math.copysign(2 * math.sqrt(q - 1), p - 0.5)
+
+
+@pytest.mark.parametrize("p", [0.975, 0.9])
+def test_t_quantile_matches_closed_forms(p):
+    """df 1 (Cauchy), 2 and 4 have closed forms; a large df tends to the normal."""
+    assert seeds.t_quantile(p, 1) == pytest.approx(math.tan(math.pi * (p - 0.5)), rel=1e-7)
+    two = (2 * p - 1) / math.sqrt(2 * p * (1 - p))
+    assert seeds.t_quantile(p, 2) == pytest.approx(two, rel=1e-7)
+    assert seeds.t_quantile(p, 4) == pytest.approx(_t4(p), rel=1e-7)
+    normal = statistics.NormalDist().inv_cdf(p)
+    assert seeds.t_quantile(p, 100_000) == pytest.approx(normal, rel=1e-4)
+
+
+def _record(config, seed, **summary):
+    return {"config": config, "seed": seed, "summary": summary, "curve": [0.0]}
+
+
+def test_aggregate_gives_intervals_and_paired_differences():
+    """Against the t-intervals written out (df 2 and 4, closed forms): per
+    configuration, and of the paired differences by seed; seeds on one side only are
+    left out of the pair."""
+    experiment = seeds.Experiment("test", {"a": None, "b": None}, ("m",), (("a", "b"),))
+    a, b = [1.0, 2.0, 4.0], [0.5, 1.5, 2.0, 7.0, 8.0]
+    records = [_record("a", s, m=v) for s, v in enumerate(a)]
+    records += [_record("b", s, m=v) for s, v in enumerate(b)]
+    result = seeds.aggregate(experiment, records)
+    t2 = (2 * 0.975 - 1) / math.sqrt(2 * 0.975 * 0.025)
+    for name, values, t in (("a", a, t2), ("b", b, _t4(0.975))):
+        stats, mean = result["configs"][name]["m"], statistics.fmean(values)
+        half = t * statistics.stdev(values) / math.sqrt(len(values))
+        assert stats["n"] == len(values) and stats["mean"] == pytest.approx(mean)
+        assert (stats["low"], stats["high"]) == pytest.approx((mean - half, mean + half))
+    pair = result["pairs"]["a - b"]["m"]
+    diffs = [0.5, 0.5, 2.0]  # seeds 0, 1, 2
+    half = t2 * statistics.stdev(diffs) / math.sqrt(3)
+    assert pair["n"] == 3 and pair["mean"] == pytest.approx(1.0)
+    assert (pair["low"], pair["high"]) == pytest.approx((1.0 - half, 1.0 + half))
+    assert pair["distinguishable"] is (1.0 - half > 0)
+    assert pair["ratio_of_means"] == pytest.approx((7 / 3) / (19 / 5))
+
+
+def test_a_pair_whose_interval_contains_zero_is_not_distinguishable():
+    experiment = seeds.Experiment("test", {"a": None, "b": None}, ("m",), (("a", "b"),))
+    records = [_record("a", s, m=v) for s, v in enumerate([1.0, 2.0, 3.0])]
+    records += [_record("b", s, m=v) for s, v in enumerate([2.0, 1.0, 3.0])]
+    pair = seeds.aggregate(experiment, records)["pairs"]["a - b"]["m"]
+    assert pair["mean"] == 0.0 and not pair["distinguishable"]
+    zero = [_record("b", s, m=0.0) for s in range(3)]
+    assert (
+        seeds.aggregate(experiment, records[:3] + zero)["pairs"]["a - b"]["m"]["ratio_of_means"]
+        is None
+    )  # a ratio over a mean of 0 is undefined
+
+
+def test_the_runner_records_the_machine_and_resumes(tmp_path, capsys):
+    """The smoke experiment (what CI runs): 2 seeds x 2 configurations; each record
+    holds the versions, the CPU and 1 thread; a rerun runs only what is missing."""
+    result = seeds.main(["smoke", "--out", str(tmp_path)])
+    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert sorted((r["config"], r["seed"]) for r in records) == [
+        ("grpo", 0),
+        ("grpo", 1),
+        ("gspo", 0),
+        ("gspo", 1),
+    ]
+    for record in records:
+        assert record["threads"] == 1 and record["cpu"]
+        assert record["versions"]["torch"] == importlib.metadata.version("torch")
+        assert len(record["curve"]) == 3
+        gain = record["summary"]["reward_last_10pct"] - record["summary"]["reward_first_10pct"]
+        assert record["summary"]["reward_gain"] == pytest.approx(gain)
+    assert result["seeds"] == [0, 1] and "gspo - grpo" in result["pairs"]
+    assert (tmp_path / "curves.png").stat().st_size > 0
+    assert json.loads((tmp_path / "aggregate.json").read_text())["experiment"] == "smoke"
+    (tmp_path / "results.jsonl").write_text("\n".join(lines[:3]) + "\n")  # one lost
+    capsys.readouterr()
+    seeds.main(["smoke", "--out", str(tmp_path)])
+    assert "3 runs on record, 1 to run" in capsys.readouterr().out
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 4
+
+
+def test_demonstrations_use_the_prompts_the_pipeline_renders():
+    """The warm start's prompts are, token for token, what TorchRL's ChatEnv and
+    generation wrapper feed the model; the responses end with the end of turn."""
+    gspo_toy = example("gspo_toy")
+    args = gspo_toy.parse_args(["--prompts", "2", "--group-size", "2", "--minibatches", "1"])
+    pipeline = gspo_toy.build_pipeline("gspo", args)
+    next(iter(pipeline.collector))
+    pipeline.collector.shutdown()
+    data = pipeline.buffer[:]
+    tokenizer = gspo_toy.build_tokenizer()
+    letter = 6  # the query's position: "<|im_start|>", "u", "s", "e", "r", "\n", letter
+    rendered = {int(p[letter]): p for p in data.get(("tokens", "prompt"), as_list=True)}
+    tokens, mask = gspo_toy.demonstrations(tokenizer, random.Random(0), 16, args)
+    compared = 0
+    for row, response in zip(tokens, mask, strict=True):
+        prompt = row[~response & (row != tokenizer.pad_token_id)]
+        if int(prompt[letter]) in rendered:
+            assert torch.equal(prompt, rendered[int(prompt[letter])])
+            compared += 1
+        answer = row[response]
+        assert answer[-1] == tokenizer.eos_token_id and 2 <= answer.numel() <= 8
+    assert compared > 0
+
+
+def test_r3_example_runs_each_cell(tmp_path):
+    """Two steps of each of the six cells. Recomputed old log-probs make the first
+    minibatch on-policy whatever the replay (R2 and R3 replay the recompute's routes);
+    the mismatch figures are what they count."""
+    moe_engine = example("moe_engine")
+    summary = moe_engine.main(["--steps", "2", "--out", str(tmp_path), "--no-progress"])
+    assert set(summary) == set(moe_engine.RUNS)
+    for run in moe_engine.RUNS:
+        records = [json.loads(line) for line in (tmp_path / f"metrics_{run}.jsonl").open()]
+        assert len(records) == 2
+        for r in records:
+            assert r["log_rho_abs_none"] > 0 and r["log_rho_abs_r3"] > 0  # bfloat16 engine
+            assert r["expert_mismatch"] <= r["set_mismatch"] <= 2 * r["expert_mismatch"] <= 2
+        if run.startswith("recomputed"):
+            assert all(r["clip_fraction_first"] == 0.0 for r in records)
