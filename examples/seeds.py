@@ -263,7 +263,7 @@ def run_one(name: str, config: Config, seed: int, out: Path) -> dict:
         "seed": seed,
         "summary": summary,
         "curve": curve,
-        "command": " ".join(command[1:]),
+        "command": " ".join(["python", f"examples/{config.script}.py", *command[2:]]),
     }
 
 

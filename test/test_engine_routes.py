@@ -78,16 +78,23 @@ def test_vllm_routes_replay_the_engine_forward_on_every_scored_token():
         assert not torch.equal(log_probs(trainer, tokens), forced)
 
 
-def test_sglang_routes_decode_to_the_same_routes():
-    engine, _ = engine_and_trainer()
+@pytest.mark.parametrize("dense", [0, -1])
+def test_sglang_routes_decode_to_the_same_routes(dense):
+    """SGLang's base64 int32 buffer; its dense layer holds 0 (SGLang 0.5.23) or the
+    -1 placeholder of other builds: only the MoE layers are kept, so the placeholder
+    never reaches the route check, and the replay is the engine's."""
+    engine, trainer = engine_and_trainer()
     tokens = torch.randint(0, VOCAB, (7,), generator=torch.Generator().manual_seed(1))
-    array, _ = engine_output(engine, tokens)
+    array, full = engine_output(engine, tokens)
+    array = array.astype(np.int32)
+    array[:, 1] = dense  # layer 1 is dense
     encoded = base64.b64encode(array.astype(np.int32).tobytes()).decode()
     decoded = decode_sglang_routes(encoded, LAYERS, TOP_K)
-    assert decoded.dtype == torch.int32 and torch.equal(decoded, torch.from_numpy(array).int())
-    assert torch.equal(
-        routes_from_engine(decoded, 7, MOE_LAYERS), routes_from_engine(array, 7, MOE_LAYERS)
-    )
+    assert decoded.dtype == torch.int32 and torch.equal(decoded, torch.from_numpy(array))
+    routes = routes_from_engine(decoded, 7, MOE_LAYERS)
+    assert torch.equal(routes[:-1], full[:-1])
+    forced = replayed_log_probs(trainer, tokens, full)
+    assert torch.equal(replayed_log_probs(trainer, tokens, routes), forced)
 
 
 def test_a_later_turn_takes_its_first_rows_from_the_earlier_routes():
@@ -114,6 +121,19 @@ def test_engine_routes_of_the_wrong_shape_raise(rows, kwargs, words):
     array = np.zeros((rows, LAYERS, TOP_K), dtype=np.int32)
     with pytest.raises(ValueError, match=words):
         routes_from_engine(array, 9, MOE_LAYERS, **kwargs)
+
+
+def test_a_missing_route_in_an_moe_layer_is_refused():
+    """-1 inside an MoE layer (a route the engine did not record, NeMo-RL's marker)
+    has no expert to force: the replay refuses it rather than routing afresh."""
+    engine, trainer = engine_and_trainer()
+    tokens = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(4))
+    array, _ = engine_output(engine, tokens)
+    array = array.astype(np.int32)
+    array[2, MOE_LAYERS[1]] = -1
+    routes = routes_from_engine(array, 6, MOE_LAYERS)
+    with pytest.raises(ValueError, match=r"layer 1 must be expert indices in \[0, 4\)"):
+        replayed_log_probs(trainer, tokens, routes)
 
 
 def test_sglang_buffer_of_the_wrong_size_raises():

@@ -68,10 +68,13 @@ def routes_from_engine(
     vLLM (``CompletionOutput.routed_experts``) and SGLang (after
     :func:`decode_sglang_routes`) return one route per position ``start .. n - 2`` of
     a sequence of ``n`` tokens (prompt and response), over all decoder layers: the
-    last token was never fed to the model, and dense layers hold meaningless values
-    (0). Row ``j`` is the route of token ``start + j``, whose forward gives the
-    log-probability of token ``start + j + 1``. This keeps the MoE layers, takes the
-    rows before ``start`` from ``earlier`` (the routes of the previous turn, in this
+    last token was never fed to the model, and dense layers hold placeholders (0 in
+    vLLM 0.34 and SGLang 0.5.23, -1 in other builds). Row ``j`` is the route of token
+    ``start + j``, whose forward gives the log-probability of token ``start + j + 1``.
+    This keeps the MoE layers (so a dense layer's placeholder never reaches the route
+    check, whereas a -1 inside an MoE layer, a missing route, is refused when
+    replayed), takes the rows before ``start`` from ``earlier`` (the routes of the
+    previous turn, in this
     format), and gives the last token experts ``0 .. k - 1``: its forward only
     predicts a token after the sequence, so it changes no log-probability of the
     sequence. The result is the format :class:`~torchrl_gspo.RecordRoutes` writes,
