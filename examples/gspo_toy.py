@@ -216,6 +216,7 @@ def warm_start(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, args)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+    model.zero_grad(set_to_none=True)  # RL's first step must not add the last SFT gradient
 
 
 def banned_token_ids(tokenizer: PreTrainedTokenizerFast) -> list[list[int]]:

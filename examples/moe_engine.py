@@ -25,7 +25,7 @@ engine mismatch ``|log rho_i| = |mean_t (log pi_trainer - log pi_engine)|`` over
 response, with the trainer routing on its own (``none``) and replaying the engine's
 routes (``r3``; R2 changes neither: it replays the trainer's own routes); the fraction
 of (token, layer) top-2 sets, and of activated experts, that differ between engine
-and trainer; then the run's GSPO clip fraction on the first minibatch and on the
+and trainer, on the positions whose forward scores a response token; then the run's GSPO clip fraction on the first minibatch and on the
 later, off-policy ones.
 
 Usage::
@@ -70,25 +70,27 @@ def response_log_ratios(current: list, engine: list, responses: list) -> list[fl
 def mismatch(policy, replay: RoutingReplay, data: TensorDictBase) -> dict:
     """The engine-trainer mismatch of a collected batch, before any update."""
     fulls = data.get(TOKENS, as_list=True)
+    responses = data.get(("tokens", "response"), as_list=True)
     width = max(f.numel() for f in fulls)
-    routed = torch.zeros(len(fulls), width, dtype=torch.bool)  # every token but the last
-    for i, full in enumerate(fulls):
-        routed[i, width - full.numel() : width - 1] = True
+    # the positions whose forward scores a response token: the last prompt token's
+    # and the response's but the last (the ChatML template's positions left out)
+    scored = torch.zeros(len(fulls), width, dtype=torch.bool)
+    for i, response in enumerate(responses):
+        scored[i, width - response.numel() - 1 : width - 1] = True
     engine_routes = replay.from_rows(data.get(ENGINE_ROUTES, as_list=True))
     with torch.no_grad(), replay.capture() as own:
         plain = policy(data.copy()).get(("log_probs", "full"), as_list=True)
     with torch.no_grad(), replay.replay(engine_routes):
         forced = policy(data.copy()).get(("log_probs", "full"), as_list=True)
     engine = data.get(("log_probs", "full"), as_list=True)
-    responses = data.get(("tokens", "response"), as_list=True)
     none = response_log_ratios(plain, engine, responses)
     r3 = response_log_ratios(forced, engine, responses)
     return {
         "log_rho_abs_none": sum(map(abs, none)) / len(none),
         "log_rho_abs_r3": sum(map(abs, r3)) / len(r3),
-        "set_mismatch": float(routing_volatility(engine_routes, own, routed)[-1]),
+        "set_mismatch": float(routing_volatility(engine_routes, own, scored)[-1]),
         "expert_mismatch": float(
-            routing_volatility(engine_routes, own, routed, count="experts")[-1]
+            routing_volatility(engine_routes, own, scored, count="experts")[-1]
         ),
     }
 

@@ -125,7 +125,7 @@ EXPERIMENTS = {
     ),
     "paper-regime": Experiment(
         "GSPO against GRPO after a supervised warm start, at the paper's clip fraction",
-        {name: _toy(name, *WARM, "--lr", "7e-6") for name in ("gspo", "grpo")},
+        {name: _toy(name, *WARM, "--lr", "5e-6") for name in ("gspo", "grpo")},
         (*TOY, *CLIPS),
         (("gspo", "grpo"),),
     ),
@@ -263,18 +263,33 @@ def run_one(name: str, config: Config, seed: int, out: Path) -> dict:
         "seed": seed,
         "summary": summary,
         "curve": curve,
+        "args": [config.script, *config.args],
         "command": " ".join(["python", f"examples/{config.script}.py", *command[2:]]),
     }
 
 
-def load(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.open()] if path.exists() else []
+def load(path: Path, experiment: Experiment) -> list[dict]:
+    """The records of ``path`` run as ``experiment`` defines its configurations now.
+
+    A record of a configuration since redefined (other arguments) is left out, and
+    counted, so that a resumed experiment never mixes two definitions.
+    """
+    records = [json.loads(line) for line in path.open()] if path.exists() else []
+    current = [r for r in records if _matches(r, experiment)]
+    if len(current) < len(records):
+        print(f"{len(records) - len(current)} record(s) of another definition left out")
+    return current
+
+
+def _matches(record: dict, experiment: Experiment) -> bool:
+    config = experiment.configs.get(record["config"])
+    return config is not None and record.get("args") == [config.script, *config.args]
 
 
 def run_all(experiment: Experiment, seeds: int, jobs: int, out: Path) -> list[dict]:
     """Runs the missing (configuration, seed) pairs, ``jobs`` at a time; resumes."""
     results_path = out / "results.jsonl"
-    records = load(results_path)
+    records = load(results_path, experiment)
     done = {(r["config"], r["seed"]) for r in records}
     todo = [
         (name, seed)
@@ -285,15 +300,10 @@ def run_all(experiment: Experiment, seeds: int, jobs: int, out: Path) -> list[di
     print(f"{len(done)} runs on record, {len(todo)} to run", flush=True)
     if not todo:
         return records
-    machine, lock, failures = environment(), threading.Lock(), []
+    machine, lock = environment(), threading.Lock()
 
     def job(name: str, seed: int) -> None:
-        try:
-            record = {**run_one(name, experiment.configs[name], seed, out), **machine}
-        except (RuntimeError, OSError, KeyError, ValueError) as error:
-            failures.append(str(error))
-            print(error, file=sys.stderr, flush=True)
-            return
+        record = {**run_one(name, experiment.configs[name], seed, out), **machine}
         with lock:
             with results_path.open("a") as file:
                 file.write(json.dumps(record) + "\n")
@@ -303,8 +313,10 @@ def run_all(experiment: Experiment, seeds: int, jobs: int, out: Path) -> list[di
             )
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        for name, seed in todo:
-            pool.submit(job, name, seed)
+        futures = [pool.submit(job, name, seed) for name, seed in todo]
+    failures = [future.exception() for future in futures if future.exception() is not None]
+    for failure in failures:
+        print(f"{type(failure).__name__}: {failure}", file=sys.stderr, flush=True)
     if failures:
         raise SystemExit(f"{len(failures)} run(s) failed; rerun to retry them")
     return records
@@ -327,27 +339,35 @@ def aggregate(experiment: Experiment, records: list[dict]) -> dict:
             for metric in experiment.metrics
             if any(by.get((name, s), {}).get(metric) is not None for s in seeds)
         }
-    pairs = {}
-    for a, b in experiment.pairs:
-        common = [s for s in seeds if (a, s) in by and (b, s) in by]
-        pair = {}
-        for metric in set(configs.get(a, {})) & set(configs.get(b, {})):
-            diffs = [
-                by[a, s][metric] - by[b, s][metric]
-                for s in common
-                if by[a, s].get(metric) is not None and by[b, s].get(metric) is not None
-            ]
-            if not diffs:
-                continue
-            stats = interval(diffs)
-            stats["distinguishable"] = stats["low"] is not None and (
-                stats["low"] > 0 or stats["high"] < 0
-            )
-            mean_b = configs[b][metric]["mean"]
-            stats["ratio_of_means"] = configs[a][metric]["mean"] / mean_b if mean_b else None
-            pair[metric] = stats
-        pairs[f"{a} - {b}"] = pair
+    pairs = {
+        f"{a} - {b}": paired(by, seeds, a, b, set(configs.get(a, {})) & set(configs.get(b, {})))
+        for a, b in experiment.pairs
+    }
     return {"configs": configs, "pairs": pairs, "seeds": seeds}
+
+
+def paired(by: dict, seeds: list[int], a: str, b: str, metrics: set[str]) -> dict:
+    """Per metric, the difference ``a - b`` by seed (seeds where both have it), its
+    interval, whether that excludes 0, and the ratio of the two means on those seeds."""
+    out = {}
+    for metric in sorted(metrics):
+        both = [
+            s
+            for s in seeds
+            if by.get((a, s), {}).get(metric) is not None
+            and by.get((b, s), {}).get(metric) is not None
+        ]
+        if not both:
+            continue
+        stats = interval([by[a, s][metric] - by[b, s][metric] for s in both])
+        stats["distinguishable"] = stats["low"] is not None and (
+            stats["low"] > 0 or stats["high"] < 0
+        )
+        mean_b = statistics.fmean(by[b, s][metric] for s in both)
+        mean_a = statistics.fmean(by[a, s][metric] for s in both)
+        stats["ratio_of_means"] = mean_a / mean_b if mean_b else None
+        out[metric] = stats
+    return out
 
 
 def _fmt(stats: dict) -> str:
@@ -439,7 +459,7 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     seeds = args.seeds or experiment.seeds
     if args.aggregate_only:
-        records = load(out / "results.jsonl")
+        records = load(out / "results.jsonl", experiment)
     else:
         records = run_all(experiment, seeds, args.jobs, out)
     records = [r for r in records if r["seed"] < seeds]

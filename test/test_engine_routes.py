@@ -223,7 +223,7 @@ def test_engine_routes_replayed_in_the_recompute_and_the_loss():
     replay.remove()
 
 
-def _generator(engine, tokenizer, allowed, pad_output=False, **kwargs):
+def _generator(engine, tokenizer, allowed, wrapper_kwargs=(), **kwargs):
     """TorchRL's generating wrapper, sampling only ``allowed`` token ids (and EOS)."""
     from torchrl.modules.llm import TransformersWrapper
 
@@ -234,8 +234,8 @@ def _generator(engine, tokenizer, allowed, pad_output=False, **kwargs):
         tokenizer=tokenizer,
         input_mode="tokens",
         generate=True,
-        pad_output=pad_output,
         return_log_probs=False,
+        **{"pad_output": False, **dict(wrapper_kwargs)},
         generate_kwargs={"max_new_tokens": 7, "do_sample": True, "bad_words_ids": banned, **kwargs},
     )
 
@@ -310,10 +310,19 @@ def test_the_engine_log_probs_replay_the_decode_routes_and_match_the_decode():
     replay.replay_for(recompute, tokens_key=("tokens", "full"))
     scored = recompute(out).get(("log_probs", "full"), as_list=True)
     responses = out.get(("tokens", "response"), as_list=True)
-    for i, (row, response) in enumerate(zip(scored, responses, strict=True)):
-        r = response.numel()
-        own = decode[i, :r].gather(-1, response.unsqueeze(-1)).squeeze(-1)
-        torch.testing.assert_close(row[-r:], own, rtol=0, atol=1e-5)
+    own = [
+        decode[i, : r.numel()].gather(-1, r.unsqueeze(-1)).squeeze(-1)
+        for i, r in enumerate(responses)
+    ]
+    for row, response, decoded in zip(scored, responses, own, strict=True):
+        torch.testing.assert_close(row[-response.numel() :], decoded, rtol=0, atol=1e-5)
+    # the comparison sees the routes: scored with other experts, the rows differ
+    rolled = out.copy()
+    for td in rolled.tensordicts:
+        td.set(("routing", "experts"), (td.get(("routing", "experts")) + 1) % 8)
+    other = recompute(rolled.exclude("log_probs")).get(("log_probs", "full"), as_list=True)
+    gap = max((o[-d.numel() :] - d).abs().max() for o, d in zip(other, own, strict=True))
+    assert gap > 1e-3
     replay.remove()
 
 
@@ -377,5 +386,30 @@ def test_a_generation_that_cannot_be_aligned_raises():
         generator(_prompts())
     with torch.no_grad(), replay.capture():  # the failed call left no capture running
         engine(torch.tensor([[5, 6]]))
-    with pytest.raises(ValueError, match="pad_output=False and one response per prompt"):
-        record_generation(replay, _generator(engine, tokenizer, [5], pad_output=True))
+    for kwargs in ({"pad_output": True}, {"num_samples": 2}, {"batching": True}):
+        generator = _generator(engine, tokenizer, [5], wrapper_kwargs=kwargs)
+        with pytest.raises(ValueError, match=r"\(pad_output=True, num_samples or batching"):
+            record_generation(replay, generator)
+
+
+def test_a_generation_inside_a_capture_raises_and_the_next_one_records():
+    """A generation started inside another capture raises (captures do not nest) and
+    leaves the hooks ready; RoutingReplay.remove() takes the generator's hooks off."""
+    from llm_testing import tiny_qwen_moe, word_tokenizer
+
+    from torchrl_gspo import record_generation
+
+    tokenizer = word_tokenizer()
+    engine = tiny_qwen_moe(tokenizer, 1)
+    replay = RoutingReplay(engine)
+    generator = _generator(engine, tokenizer, range(5, 9))
+    record_generation(replay, generator)
+    with torch.no_grad(), replay.capture():
+        engine(torch.tensor([[5, 6]]))
+        with pytest.raises(RuntimeError, match="does not nest"):
+            generator(_prompts())
+    with torch.no_grad():
+        assert ("routing", "experts") in generator(_prompts()).keys(True)
+    replay.remove()
+    with torch.no_grad():  # no hook left: the generator runs and records nothing
+        assert ("routing", "experts") not in generator(_prompts()).keys(True)

@@ -161,11 +161,13 @@ def record_generation(
     Keyword Args:
         key (NestedKey, optional): where the routes go. Defaults to
             ``("routing", "experts")``.
-        tokens_key (NestedKey, optional): the rows' tokens, prompt and response.
-            Defaults to ``("tokens", "full")``.
+        tokens_key (NestedKey, optional): the rows' tokens, prompt and response; the
+            responses are read at its sibling ``"response"``. Defaults to
+            ``("tokens", "full")``.
 
     Returns:
-        Callable[[], None]: removes the hooks from ``generator`` and its model.
+        Callable[[], None]: removes the hooks from ``generator`` and its model (so
+        does :meth:`RoutingReplay.remove`).
 
     Examples:
         >>> import torch
@@ -193,29 +195,32 @@ def record_generation(
         [True, True]
         >>> stop()
     """
-    if getattr(generator, "pad_output", False) or getattr(generator, "num_samples", None):
+    if any(getattr(generator, name, None) for name in ("pad_output", "num_samples", "batching")):
         raise ValueError(
-            "record_generation: the generator pads its output or samples several "
-            "responses per prompt (pad_output=True or num_samples); each row must be one "
-            "sequence with its own length. Build it with pad_output=False and one "
-            "response per prompt (repeat the prompts instead, as ChatEnv's repeats does)."
+            "record_generation: the generator pads its output, samples several responses "
+            "per prompt or batches the calls of several callers (pad_output=True, "
+            "num_samples or batching=True); each row must be one sequence of this call. "
+            "Build it with pad_output=False, one response per prompt (repeat the prompts "
+            "instead, as ChatEnv's repeats does) and without batching."
         )
     key, tokens_key = unravel_key(key), unravel_key(tokens_key)
     calls: list[tuple[contextlib.ExitStack, list[torch.Tensor], list[torch.Tensor]]] = []
 
     def fed(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if calls:  # inside a call of the generator: the tokens of this forward
+        if calls and calls[-1] is not None:  # inside a generation: this forward's tokens
             calls[-1][2].append(kwargs["input_ids"] if "input_ids" in kwargs else args[0])
 
     def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
         stack = contextlib.ExitStack()
+        calls.append(None)  # this call's entry, whether or not its capture starts
         routes = stack.enter_context(replay.capture(generation=True))
-        calls.append((stack, routes, []))
+        calls[-1] = (stack, routes, [])
 
     def after(module: nn.Module, args: tuple, output: TensorDictBase | None) -> None:
-        if not calls:  # `before` raised: nothing was started
+        entry = calls.pop()
+        if entry is None:  # `before` raised: this call captured nothing
             return
-        stack, routes, inputs = calls.pop()
+        stack, routes, inputs = entry
         if output is None:  # the generation raised: leave its error alone
             with contextlib.suppress(RuntimeError):
                 stack.close()
@@ -228,6 +233,7 @@ def record_generation(
         generator.register_forward_pre_hook(before, with_kwargs=True),
         generator.register_forward_hook(after, always_call=True),
     ]
+    replay._handles.extend(handles)  # RoutingReplay.remove() takes them off too
 
     def remove() -> None:
         for handle in handles:
@@ -259,7 +265,7 @@ def _write_rows(
     stacked = torch.stack(routes, dim=-2)  # [B, P + steps, layers, k]
     prompt_width, fed = inputs[0].shape[1], torch.cat(inputs, dim=1)
     rows = output.get(tokens_key, as_list=True)
-    responses = output.get(("tokens", "response"), as_list=True)
+    responses = output.get((*tokens_key[:-1], "response"), as_list=True)
     last = torch.arange(stacked.shape[-1], dtype=stacked.dtype).expand(1, *stacked.shape[2:])
     wrong, written = [], []
     for i, (tokens, response) in enumerate(zip(rows, responses, strict=True)):
@@ -272,9 +278,11 @@ def _write_rows(
     if wrong:
         raise ValueError(
             f"record_generation: the tokens at {tokens_key!r} of row(s) {wrong} are not "
-            "the tokens the generation fed to the model. TorchRL's wrapper drops a "
-            "sampled pad token from its row: ban the pad id in generation "
-            "(generate_kwargs={'bad_words_ids': [[pad_token_id]]}), as TorchRL's recipes do."
+            "the tokens the generation fed to the model at their positions. TorchRL's "
+            "wrapper drops a sampled pad token from its row: ban the pad id in generation "
+            "(generate_kwargs={'bad_words_ids': [[pad_token_id]]}), as TorchRL's recipes "
+            "do. A generate that does not run the prompts in one prefill, then one "
+            "position per step (use_cache=False, chunked prefill), cannot be recorded."
         )
     recorded_key = (*key[:-1], "tokens")
     for td, route, tokens in zip(output.tensordicts, written, rows, strict=True):
