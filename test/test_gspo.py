@@ -687,6 +687,35 @@ def test_the_policy_lag_is_read_outside_the_graph():
     assert torch._dynamo.utils.counters["frames"]["ok"] == frames  # nothing recompiled
 
 
+@pytest.mark.parametrize("optional", ["sequence_scale", "old_log_prob"])
+def test_a_compiled_loss_sees_an_optional_key_that_appears(optional):
+    """A graph traced on a batch without an optional input must not serve a batch that
+    holds it with as many keys (another key in its place): TensorDict's
+    ``get(key, None)`` is not guarded under torch.compile, membership is. Reusing the
+    graph would silently ignore the input. The policy lag's graph break makes the
+    batch reading a frame of its own, guarded by its reads alone (in the one-graph
+    forward another read happens to guard the key)."""
+    torch._dynamo.reset()
+    actor = BigramActor()
+    rows = make_rows(actor=actor, noise=1e-3, seed=16, nan_prompt=False)
+    loss_fn = build_loss(GSPOLoss, actor, entropy_bonus=False, policy_version=lambda: 0)
+    compiled = torch.compile(loss_fn)
+    without, with_key = dense_batch(rows), dense_batch(rows)
+    for batch in (without, with_key):
+        batch.set("policy_version", torch.zeros(len(rows), dtype=torch.long))
+    without.set("unrelated", torch.zeros(len(rows)))  # as many keys as `with_key`
+    if optional == "sequence_scale":
+        with_key.set("sequence_scale", torch.tensor([3.0, 0.0, 1.0, 1.0, 1.0, 1.0]) / 6)
+    else:
+        with_key.set(("old_log_probs", "full"), with_key.get(("log_probs", "full")) + 0.01)
+    assert len(list(without.keys())) == len(list(with_key.keys()))
+    compiled(without)
+    expected, got = loss_fn(with_key), compiled(with_key)
+    assert (expected.loss_objective - loss_fn(without).loss_objective).abs() > 1e-3
+    torch.testing.assert_close(got.loss_objective, expected.loss_objective, rtol=0, atol=1e-12)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("bad", ["advantage", "old_log_prob", "sequence_scale"])
 def test_compiled_loss_still_rejects_bad_input(bad):
     """In-graph checks: a NaN advantage, a NaN old log-prob inside a response, a

@@ -64,7 +64,7 @@ def _rows(tensordict: TensorDictBase) -> list[TensorDictBase] | None:
 
 def _read_rows(rows: list[TensorDictBase], key: NestedKey, owner: str) -> list[torch.Tensor] | None:
     """One tensor per row, or None when no row holds ``key``; some rows only raise."""
-    values = [row.get(key, None) for row in rows]
+    values = [_get(row, key) for row in rows]
     missing = [i for i, value in enumerate(values) if value is None]
     if not missing:
         return values
@@ -81,8 +81,18 @@ def _read_rows(rows: list[TensorDictBase], key: NestedKey, owner: str) -> list[t
 def _read(tensordict: TensorDictBase, rows, key: NestedKey, loss: GSPOLoss):
     """A dense tensor, a list of row tensors (lazy stack), or None when absent."""
     if rows is None:
-        return tensordict.get(key, None)
+        return _get(tensordict, key)
     return _read_rows(rows, key, type(loss).__name__)
+
+
+def _get(tensordict: TensorDictBase, key: NestedKey) -> torch.Tensor | None:
+    """``tensordict[key]``, or None when absent.
+
+    Tested by membership, not ``get(key, None)``: under ``torch.compile`` a graph traced
+    without the key is guarded by ``in`` (not by ``get``'s default), so a batch that
+    holds it, with as many keys, recompiles instead of reusing a graph that ignores it.
+    """
+    return tensordict.get(key) if key in tensordict.keys(include_nested=True) else None
 
 
 def _pad(values, value: float, side: str = "left") -> torch.Tensor:
