@@ -25,8 +25,8 @@ engine mismatch ``|log rho_i| = |mean_t (log pi_trainer - log pi_engine)|`` over
 response, with the trainer routing on its own (``none``) and replaying the engine's
 routes (``r3``; R2 changes neither: it replays the trainer's own routes); the fraction
 of (token, layer) top-2 sets, and of activated experts, that differ between engine
-and trainer, on the positions whose forward scores a response token; then the run's GSPO clip fraction on the first minibatch and on the
-later, off-policy ones.
+and trainer, on the positions whose forward scores a response token; then the run's
+GSPO clip fraction on the first minibatch and on the later, off-policy ones.
 
 Usage::
 

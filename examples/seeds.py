@@ -67,13 +67,19 @@ class Config:
 
 @dataclass(frozen=True)
 class Experiment:
-    """Configurations run over the same seeds, the metrics read, the pairs compared."""
+    """Configurations run over the same seeds, the metrics read, the pairs compared.
+
+    ``differences`` names metrics that are differences of two metrics of the same run
+    (``name: (x, y)`` is ``x - y`` per seed): a paired comparison inside each run, e.g.
+    of two measurements taken on the same batches.
+    """
 
     description: str
     configs: dict[str, Config]
     metrics: tuple[str, ...]
     pairs: tuple[tuple[str, str], ...] = ()
     seeds: int = 8
+    differences: tuple[tuple[str, tuple[str, str]], ...] = ()
 
 
 TOY = ("reward_first_10pct", "reward_last_10pct", "reward_gain", "reward_auc")
@@ -170,6 +176,9 @@ EXPERIMENTS = {
             ("recomputed-r3", "recomputed-r2"),
         ),
         seeds=5,
+        differences=(
+            ("log_rho_abs_none_minus_r3", ("log_rho_abs_none_mean", "log_rho_abs_r3_mean")),
+        ),
     ),
 }
 
@@ -209,13 +218,20 @@ def interval(values: list[float]) -> dict:
 
 
 def environment() -> dict:
-    """Package versions, CPU model, and the thread count a run's torch sees."""
+    """Package versions, the commit, the CPU model, and the thread count a run's
+    torch sees."""
     versions = {}
-    for name in PACKAGES:
+    for name in PACKAGES[:-1]:
         try:
-            versions[name] = importlib.metadata.version(name.replace("_", "-"))
+            versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
+    import torchrl_gspo  # its own version: an editable install's metadata can be stale
+
+    versions["torchrl_gspo"] = torchrl_gspo.__version__
+    commit = subprocess.run(
+        ["git", "-C", str(EXAMPLES), "rev-parse", "HEAD"], capture_output=True, text=True
+    )
     cpu = platform.processor() or platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
@@ -232,7 +248,12 @@ def environment() -> dict:
         text=True,
         check=True,
     ).stdout.strip()
-    return {"versions": versions, "cpu": cpu, "threads": int(threads)}
+    return {
+        "versions": versions,
+        "commit": commit.stdout.strip() or None,  # None outside a git checkout
+        "cpu": cpu,
+        "threads": int(threads),
+    }
 
 
 def run_one(name: str, config: Config, seed: int, out: Path) -> dict:
@@ -324,7 +345,11 @@ def run_all(experiment: Experiment, seeds: int, jobs: int, out: Path) -> list[di
 
 def aggregate(experiment: Experiment, records: list[dict]) -> dict:
     """Per configuration and metric, the mean and interval; per pair, paired differences."""
-    by = {(r["config"], r["seed"]): r["summary"] for r in records}
+    by = {(r["config"], r["seed"]): dict(r["summary"]) for r in records}
+    for summary in by.values():
+        for name, (x, y) in experiment.differences:
+            if summary.get(x) is not None and summary.get(y) is not None:
+                summary[name] = summary[x] - summary[y]
     seeds = sorted({seed for _, seed in by})
     configs = {}
     for name in experiment.configs:
@@ -336,7 +361,7 @@ def aggregate(experiment: Experiment, records: list[dict]) -> dict:
                     if (name, s) in by and by[name, s].get(metric) is not None
                 ]
             )
-            for metric in experiment.metrics
+            for metric in (*experiment.metrics, *dict(experiment.differences))
             if any(by.get((name, s), {}).get(metric) is not None for s in seeds)
         }
     pairs = {
@@ -378,7 +403,11 @@ def _fmt(stats: dict) -> str:
 
 def table(experiment: Experiment, result: dict) -> str:
     """Markdown tables: per configuration, then per pair."""
-    metrics = [m for m in experiment.metrics if any(m in c for c in result["configs"].values())]
+    metrics = [
+        m
+        for m in (*experiment.metrics, *dict(experiment.differences))
+        if any(m in c for c in result["configs"].values())
+    ]
     lines = [
         "| configuration | n | " + " | ".join(metrics) + " |",
         "|---|---|" + "---|" * len(metrics),
