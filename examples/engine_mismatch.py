@@ -60,16 +60,22 @@ RUNS = {
 CLIP = (3e-4, 4e-4)  # GSPO's clip range: log-ratios outside (log(1-3e-4), log(1+4e-4)) clip
 
 
-def engine_log_ratios(data: TensorDictBase, trainer_key: str) -> list[float]:
-    """log rho_i per sequence: the mean over its response tokens of trainer - engine."""
-    responses = data.get(("tokens", "response"), as_list=True)
-    engine = data.get(("log_probs", "full"), as_list=True)
-    trainer = data.get((trainer_key, "full"), as_list=True)
+def response_log_ratios(current: list, engine: list, responses: list) -> list[float]:
+    """log rho_i per non-empty response: the mean over its tokens of current - engine."""
     return [
-        (t[-len(r) :].double() - e[-len(r) :].double()).mean().item()
-        for r, e, t in zip(responses, engine, trainer, strict=True)
+        (c[-len(r) :].double() - e[-len(r) :].double()).mean().item()
+        for c, e, r in zip(current, engine, responses, strict=True)
         if len(r)
     ]
+
+
+def engine_log_ratios(data: TensorDictBase, trainer_key: str) -> list[float]:
+    """log rho_i per sequence: the mean over its response tokens of trainer - engine."""
+    return response_log_ratios(
+        data.get((trainer_key, "full"), as_list=True),
+        data.get(("log_probs", "full"), as_list=True),
+        data.get(("tokens", "response"), as_list=True),
+    )
 
 
 def outside_band(log_rhos: list[float]) -> float:

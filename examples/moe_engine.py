@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 
+import engine_mismatch
 import gspo_toy
 import moe_routing
 import torch
@@ -56,15 +57,6 @@ RUNS = tuple(
 TOKENS = ("tokens", "full")
 ENGINE_ROUTES = ("routing", "experts")  # the generation's, written by record_generation
 TRAINER_ROUTES = ("trainer_routing", "experts")  # R2: the trainer recompute's own
-
-
-def response_log_ratios(current: list, engine: list, responses: list) -> list[float]:
-    """log rho_i per response: the mean over its tokens of trainer minus engine."""
-    return [
-        (c[-len(r) :].double() - e[-len(r) :].double()).mean().item()
-        for c, e, r in zip(current, engine, responses, strict=True)
-        if len(r)
-    ]
 
 
 def mismatch(policy, replay: RoutingReplay, data: TensorDictBase) -> dict:
@@ -83,8 +75,8 @@ def mismatch(policy, replay: RoutingReplay, data: TensorDictBase) -> dict:
     with torch.no_grad(), replay.replay(engine_routes):
         forced = policy(data.copy()).get(("log_probs", "full"), as_list=True)
     engine = data.get(("log_probs", "full"), as_list=True)
-    none = response_log_ratios(plain, engine, responses)
-    r3 = response_log_ratios(forced, engine, responses)
+    none = engine_mismatch.response_log_ratios(plain, engine, responses)
+    r3 = engine_mismatch.response_log_ratios(forced, engine, responses)
     return {
         "log_rho_abs_none": sum(map(abs, none)) / len(none),
         "log_rho_abs_r3": sum(map(abs, r3)) / len(r3),

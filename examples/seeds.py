@@ -51,6 +51,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import torchrl_gspo
+
 EXAMPLES = Path(__file__).resolve().parent
 PACKAGES = ("torch", "torchrl", "tensordict", "transformers", "tokenizers", "torchrl_gspo")
 THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -226,8 +228,7 @@ def environment() -> dict:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
-    import torchrl_gspo  # its own version: an editable install's metadata can be stale
-
+    # its own version: an editable install's metadata can be stale
     versions["torchrl_gspo"] = torchrl_gspo.__version__
     commit = subprocess.run(
         ["git", "-C", str(EXAMPLES), "rev-parse", "HEAD"], capture_output=True, text=True

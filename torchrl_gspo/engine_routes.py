@@ -139,19 +139,19 @@ def record_generation(
 ) -> Callable[[], None]:
     """Records, in each call of ``generator``, the routes its generation ran, per row.
 
-    The local stand-in for an engine's ``routed_experts`` (Rollout Routing Replay, R3:
-    :doc:`/moe`): around each call of a generating TorchRL wrapper (e.g.
-    ``TransformersWrapper(model, generate=True, pad_output=False)``) of the model that
-    ``replay`` hooks, the routes are captured *during* ``generate``: the prefill of the
-    left-padded prompts, then one position per decode step, with the KV cache
-    (:meth:`RoutingReplay.capture` with ``generation=True``). Each row of the output
-    then gets, at ``key``, the routes of its own ``n`` tokens (``[n, layers, k]``, the
-    format of :class:`~torchrl_gspo.RecordRoutes`): the generation's routes of its
-    positions, its padding cut off, and experts ``0 .. k - 1`` for its last token,
-    which the generation never fed (as :func:`routes_from_engine`). Next to them, at
-    ``key``'s sibling ``"tokens"``, go the tokens the model was fed there, checked
-    against the row's tokens, so that :meth:`RoutingReplay.replay_for` can check
-    every later use.
+    The local stand-in for an engine's ``routed_experts`` (Rollout Routing Replay, R3,
+    `arXiv:2510.11370 <https://arxiv.org/abs/2510.11370>`_; :doc:`/moe`): around each
+    call of a generating TorchRL wrapper (e.g. ``TransformersWrapper(model,
+    generate=True, pad_output=False)``) of the model that ``replay`` hooks, the routes
+    are captured *during* ``generate``: the prefill of the left-padded prompts, then one
+    position per decode step, with the KV cache (:meth:`RoutingReplay.capture` with
+    ``generation=True``). Each row of the output then gets, at ``key``, the routes of
+    its own ``n`` tokens (``[n, layers, k]``, the format of
+    :class:`~torchrl_gspo.RecordRoutes`): the generation's routes of its positions, its
+    padding cut off, and experts ``0 .. k - 1`` for its last token, which the generation
+    never fed (as :func:`routes_from_engine`). Next to them, at ``key``'s sibling
+    ``"tokens"``, go the tokens the model was fed there, checked against the row's
+    tokens, so that :meth:`RoutingReplay.replay_for` can check every later use.
 
     Args:
         replay (RoutingReplay): hooks the generator's model.
