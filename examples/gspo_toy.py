@@ -62,6 +62,11 @@ difference between the ranks' weights at the end (0 when they stayed in sync).
 ``--untie-head`` gives the model an output head of its own (``Qwen2Config``'s
 default) instead of one tied to the embeddings.
 
+``--warm-start N`` first takes N supervised steps on in-code demonstrations (each
+letter the prompt's with probability ``--demo-accuracy``), so that RL starts from a
+partly competent policy, the regime of the GSPO paper's pretrained models
+(``examples/seeds.py paper-regime``).
+
 Outputs in ``--out``: ``metrics_<loss>.jsonl`` (one line per step: reward, loss,
 clip_fraction, ESS, mean sequence log-ratio, response length, ...), ``summary.json``
 and a plot, ``gspo_vs_grpo.png`` (``gspo.png`` etc. for a single loss).
@@ -667,6 +672,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(
             f"--minibatches ({args.minibatches}) must divide the batch, --prompts x "
             f"--group-size = {args.prompts * args.group_size} responses"
+        )
+    if args.warm_start < 0 or not 0 <= args.demo_accuracy <= 1 or args.max_new_tokens < 2:
+        parser.error(
+            f"--warm-start ({args.warm_start}) must be >= 0, --demo-accuracy "
+            f"({args.demo_accuracy}) within [0, 1] and --max-new-tokens "
+            f"({args.max_new_tokens}) at least 2 (a letter and the end of turn)"
         )
     if args.loss == "vespo" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         parser.error(  # GlobalBatchStepper writes a sequence scale; a token mean takes none

@@ -165,3 +165,12 @@ def test_r3_example_runs_each_cell(tmp_path):
             assert r["expert_mismatch"] <= r["set_mismatch"] <= 2 * r["expert_mismatch"]
         if run.startswith("recomputed"):
             assert all(r["clip_fraction_first"] == 0.0 for r in records)
+
+
+@pytest.mark.parametrize(
+    "argv", [["--warm-start", "-1"], ["--demo-accuracy", "1.5"], ["--max-new-tokens", "1"]]
+)
+def test_bad_warm_start_arguments_are_refused(argv, capsys):
+    with pytest.raises(SystemExit):
+        example("gspo_toy").parse_args(argv)
+    assert "--warm-start" in capsys.readouterr().err
