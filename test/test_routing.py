@@ -348,6 +348,20 @@ def test_hooks_are_removed_and_contexts_do_not_nest():
         replay.replay_for(loss_fn)
 
 
+def test_held_hooks_are_removed_alone_or_with_the_replay():
+    model = tiny_qwen_moe(word_tokenizer(), 0)
+    replay = RoutingReplay(model)
+    held = [replay.hold([model.register_forward_hook(lambda *a: None)]) for _ in range(2)]
+    assert len(model._forward_hooks) == 2
+    held[0]()  # one helper's hooks alone; the replay and the other helper stay
+    assert len(model._forward_hooks) == 1 and replay.num_layers == 4
+    with torch.no_grad(), replay.capture() as routes:
+        model(torch.randint(3, model.config.vocab_size, (1, 4)))
+    assert len(routes) == 4
+    replay.remove()
+    assert not model._forward_hooks
+
+
 def test_replay_for_inside_a_replay_is_refused_and_keeps_the_outer_one():
     model, replay, policy, data = _recorded()
     loss_fn = GSPOLoss(policy)

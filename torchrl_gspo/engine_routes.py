@@ -233,13 +233,7 @@ def record_generation(
         generator.register_forward_pre_hook(before, with_kwargs=True),
         generator.register_forward_hook(after, always_call=True),
     ]
-    replay._handles.extend(handles)  # RoutingReplay.remove() takes them off too
-
-    def remove() -> None:
-        for handle in handles:
-            handle.remove()
-
-    return remove
+    return replay.hold(handles)  # RoutingReplay.remove() takes them off too
 
 
 def _write_rows(

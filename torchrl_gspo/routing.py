@@ -126,6 +126,24 @@ class RoutingReplay:
         self._handles.clear()
         self.routers = []
 
+    def hold(self, handles: list[RemovableHandle]) -> Callable[[], None]:
+        """Makes :meth:`remove` take ``handles`` off too: the hooks of a helper that
+        serves this replay, such as :func:`~torchrl_gspo.record_generation`.
+
+        Args:
+            handles (list of RemovableHandle): hooks registered for this replay.
+
+        Returns:
+            Callable[[], None]: removes ``handles`` alone, leaving the replay hooked.
+        """
+        self._handles.extend(handles)
+
+        def remove() -> None:
+            for handle in handles:
+                handle.remove()
+
+        return remove
+
     def __enter__(self) -> RoutingReplay:
         """Returns the hooked replay; the hooks are removed at the end of the block."""
         return self
@@ -366,13 +384,7 @@ class RoutingReplay:
             loss_module.register_forward_pre_hook(before, with_kwargs=True),
             loss_module.register_forward_hook(after, always_call=True),
         ]
-        self._handles.extend(handles)
-
-        def remove() -> None:
-            for handle in handles:
-                handle.remove()
-
-        return remove
+        return self.hold(handles)
 
     @staticmethod
     def _rows(

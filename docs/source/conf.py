@@ -86,6 +86,9 @@ nitpick_ignore = [
     ("py:class", "PolicyVersion"),
     ("py:class", "torchrl.envs.llm.transforms.PolicyVersion"),
     ("py:class", "torchrl.envs.llm.transforms.policy_version.PolicyVersion"),
+    # torch's hook handle is not in torch's API docs (no page).
+    ("py:class", "RemovableHandle"),
+    ("py:class", "torch.utils.hooks.RemovableHandle"),
 ]
 
 # -- autodoc / autosummary / napoleon ------------------------------------------
