@@ -10,8 +10,8 @@ of named configurations (an example script, the run it writes, its arguments); e
 (configuration, seed) runs as its own process with one thread, ``--jobs`` at a time,
 and its record goes into ``results.jsonl`` as soon as it ends: a rerun skips the seeds
 already there (resume), and asking for more seeds runs only the new ones. Each record
-holds the run's summary, its reward per step, the package versions, the CPU model and
-the thread count.
+holds the run's summary, its reward per step, the package versions, the CPU model, the
+instruction set torch's kernels use and the thread count.
 
 The aggregate, printed as tables and written to ``aggregate.json``:
 
@@ -220,8 +220,8 @@ def interval(values: list[float]) -> dict:
 
 
 def environment() -> dict:
-    """Package versions, the commit, the CPU model, and the thread count a run's
-    torch sees."""
+    """Package versions, the commit, the CPU model and instruction set, and the thread
+    count a run's torch sees."""
     versions = {}
     for name in PACKAGES[:-1]:
         try:
@@ -242,17 +242,21 @@ def environment() -> dict:
             if line.startswith("model name")
         ]
         cpu = names[0] if names else cpu
-    threads = subprocess.run(
-        [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+    # the instruction set torch's CPU kernels dispatch to: two processors with one
+    # model name can round differently
+    probe = "import torch; print(torch.get_num_threads(), torch.backends.cpu.get_cpu_capability())"
+    threads, capability = subprocess.run(
+        [sys.executable, "-c", probe],
         env={**os.environ, **THREADS},
         capture_output=True,
         text=True,
         check=True,
-    ).stdout.strip()
+    ).stdout.split()
     return {
         "versions": versions,
         "commit": commit.stdout.strip() or None,  # None outside a git checkout
         "cpu": cpu,
+        "cpu_capability": capability,
         "threads": int(threads),
     }
 

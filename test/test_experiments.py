@@ -110,6 +110,7 @@ def test_the_runner_records_the_machine_and_resumes(tmp_path, capsys):
     ]
     for record in records:
         assert record["threads"] == 1 and record["cpu"] and "commit" in record
+        assert record["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
         assert record["versions"]["torch"] == importlib.metadata.version("torch")
         assert len(record["curve"]) == 3
         assert record["args"][0] == "gspo_toy" and "--seed" in record["command"]
