@@ -244,14 +244,16 @@ def environment() -> dict:
         cpu = names[0] if names else cpu
     # the instruction set torch's CPU kernels dispatch to: two processors with one
     # model name can round differently
-    probe = "import torch; print(torch.get_num_threads(), torch.backends.cpu.get_cpu_capability())"
-    threads, capability = subprocess.run(
-        [sys.executable, "-c", probe],
+    script = "import torch; print(torch.get_num_threads(), torch.backends.cpu.get_cpu_capability())"
+    probe = subprocess.run(
+        [sys.executable, "-c", script],
         env={**os.environ, **THREADS},
         capture_output=True,
         text=True,
         check=True,
-    ).stdout.split()
+    )
+    # a capability may hold a space ("NO AVX")
+    threads, capability = probe.stdout.strip().split(maxsplit=1)
     return {
         "versions": versions,
         "commit": commit.stdout.strip() or None,  # None outside a git checkout

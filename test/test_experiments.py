@@ -11,6 +11,8 @@ import json
 import math
 import random
 import statistics
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -94,6 +96,21 @@ def test_records_of_another_definition_are_left_out(tmp_path):
     path = tmp_path / "results.jsonl"
     path.write_text(json.dumps(current) + "\n" + json.dumps(stale) + "\n")
     assert seeds.load(path, experiment) == [current]
+
+
+def test_the_machine_record_reads_a_capability_with_a_space(monkeypatch):
+    """torch names some instruction sets with a space ("NO AVX", "Z VECTOR"): the
+    record keeps the whole name, and the thread count, from the probe's one line."""
+    real_run = seeds.subprocess.run
+
+    def run(args, **kwargs):
+        if args[0] == sys.executable:  # the torch probe; git runs for real
+            return subprocess.CompletedProcess(args, 0, stdout="1 NO AVX\n", stderr="")
+        return real_run(args, **kwargs)
+
+    monkeypatch.setattr(seeds.subprocess, "run", run)
+    machine = seeds.environment()
+    assert machine["cpu_capability"] == "NO AVX" and machine["threads"] == 1
 
 
 def test_the_runner_records_the_machine_and_resumes(tmp_path, capsys):
