@@ -242,8 +242,8 @@ def environment() -> dict:
             if line.startswith("model name")
         ]
         cpu = names[0] if names else cpu
-    # the instruction set torch's CPU kernels dispatch to: two processors with one
-    # model name can round differently
+    # the instruction set decides the CPU kernels' rounding; its name may hold a
+    # space ("NO AVX")
     script = "import torch; print(torch.get_num_threads(), torch.backends.cpu.get_cpu_capability())"
     probe = subprocess.run(
         [sys.executable, "-c", script],
@@ -252,7 +252,6 @@ def environment() -> dict:
         text=True,
         check=True,
     )
-    # a capability may hold a space ("NO AVX")
     threads, capability = probe.stdout.strip().split(maxsplit=1)
     return {
         "versions": versions,
