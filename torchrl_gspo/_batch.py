@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from torchrl_gspo.gspo import GSPOLoss
 
 RESPONSE_KEY = ("tokens", "response")
+PROMPT_KEY, FULL_KEY = ("tokens", "prompt"), ("tokens", "full")
 
 
 class Batch(NamedTuple):
@@ -125,6 +126,12 @@ def read_batch(tensordict: TensorDictBase, loss: GSPOLoss) -> Batch:
         )
     rows = _rows(tensordict)
     tokens, advantage, sample = _required(tensordict, rows, loss)
+    if rows is not None and loss.response_mask_check != "ignore":
+        _, error = stripped_context(rows, name, getattr(loss.actor_network, "tokenizer", None))
+        if error is not None and loss.response_mask_check == "raise":
+            raise error
+        if error is not None:
+            _arguments.warn(str(error))
     size = tensordict.batch_size[0]
     if size == 0:
         raise ValueError(
@@ -384,6 +391,54 @@ def _read_ref(tensordict: TensorDictBase, rows, loss: GSPOLoss) -> torch.Tensor 
         )
     ref = _pad(ref, loss.ref_log_prob_padding_value, loss.ref_log_prob_padding_side)
     return ref.squeeze(-1) if ref.ndim == 3 else ref
+
+
+def stripped_context(
+    rows: list[TensorDictBase], owner: str, tokenizer=None
+) -> tuple[list[int], ValueError | None]:
+    """Rows whose sequence is not their prompt followed by their response.
+
+    TorchRL's ``Tokens`` hold ``full = prompt + response``. A row whose ``full`` is
+    shorter lost tokens after sampling: TorchRL's wrappers strip pad ids, so a
+    tokenizer whose pad token is its end of turn deletes every end of turn, the
+    prompt's and the sampled one. The loss would then score another context than the
+    one that was sampled.
+
+    Args:
+        rows (list[TensorDictBase]): the rows of a lazily stacked batch.
+        owner (str): the name the error starts with.
+        tokenizer: the actor's tokenizer, to name pad = eos in the error, or ``None``.
+
+    Returns:
+        tuple[list[int], ValueError | None]: the bad rows and the error naming them
+        (``None`` when every row holds the three keys consistently or none of them).
+    """
+    keys = (PROMPT_KEY, RESPONSE_KEY, FULL_KEY)
+    tokens = [[_get(row, key) for key in keys] for row in rows]
+    lengths = [[t.shape[-1] for t in row] for row in tokens if all(t is not None for t in row)]
+    if len(lengths) != len(rows):
+        return [], None
+    bad = [i for i, (prompt, response, full) in enumerate(lengths) if prompt + response != full]
+    if not bad:
+        return [], None
+    pad = getattr(tokenizer, "pad_token_id", None)
+    cause = "a pad token equal to the end-of-turn token"
+    if pad is not None and pad == getattr(tokenizer, "eos_token_id", None):
+        cause = f"this actor's tokenizer: its pad token is its end of turn (id {pad})"
+    found = [lengths[i] for i in bad]
+    return bad, ValueError(
+        f"{owner}: the tokens at {FULL_KEY!r} are not the prompt at {PROMPT_KEY!r} "
+        f"followed by the response at {RESPONSE_KEY!r} in batch row(s) {bad}: "
+        f"{[full for _, _, full in found]} tokens vs "
+        f"{[prompt + response for prompt, response, _ in found]} (prompt + response). "
+        "Tokens were stripped after sampling, so the loss would score a context that "
+        f"was not sampled. Known cause: {cause}; TorchRL strips pad ids from the "
+        "sampled tokens, every end of turn included. Fix: give the tokenizer a pad "
+        "token distinct from its end of turn (e.g. tokenizer.pad_token = "
+        "'<|endoftext|>'), set it as the model's generation_config.pad_token_id, and "
+        "ban it in generation (bad_words_ids). Pass response_mask_check='warn' or "
+        "'ignore' to override."
+    )
 
 
 def _response_lengths(rows, loss: GSPOLoss, device: torch.device) -> torch.Tensor | None:

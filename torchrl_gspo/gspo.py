@@ -131,8 +131,9 @@ class GSPOLoss(GRPOLoss):
             response (``"sft"``), the assistant turns (``"rlhf"``) or every token
             after the first (``"generic"``). Defaults to ``"sft"``.
         response_mask_check (Literal["raise", "warn", "ignore"], optional): what a
-            ``"sft"`` mask that differs from ``("tokens", "response")`` does
-            (:doc:`/inputs`). Defaults to ``"raise"``.
+            ``"sft"`` mask that differs from ``("tokens", "response")``, or a
+            ``("tokens", "full")`` that is not the prompt followed by the response,
+            does (:doc:`/inputs`). Defaults to ``"raise"``.
         rollout_correction (Literal["truncate", "mask", "masked_is"] | None, optional):
             the weight of the rollout-to-old ratio :math:`\rho`: truncated, 0/1
             rejection, or :math:`\rho` inside a band
