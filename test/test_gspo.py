@@ -910,3 +910,22 @@ def test_bfloat16_matches_float32_on_the_same_values():
         current.double(), old.double(), mask, advantage.reshape(-1).double(), *PAPER_EPS
     )
     torch.testing.assert_close(out16.loss_objective.double(), expected, rtol=1e-6, atol=1e-7)
+
+
+def test_out_keys_round_trip():
+    """GRPOLoss' out_keys, then each GSPO output field once; an assignment is kept as
+    it is (before, the getter appended the fields again after every assignment)."""
+    from dataclasses import fields
+
+    from torchrl.objectives.llm.grpo import LLMLossOutput
+
+    base = list(GRPOLoss(entropy_bonus=False).out_keys)
+    grpo_fields = {f.name for f in fields(LLMLossOutput)}
+    ours = [f.name for f in fields(GSPOLossOutput) if f.name not in base + list(grpo_fields)]
+    loss_fn = GSPOLoss(entropy_bonus=False)
+    assert loss_fn.out_keys == base + ours and len(set(loss_fn.out_keys)) == len(base + ours)
+    chosen = ["loss_objective", "clip_fraction"]
+    loss_fn.out_keys = chosen
+    assert loss_fn.out_keys == chosen
+    loss_fn.out_keys = loss_fn.out_keys
+    assert loss_fn.out_keys == chosen

@@ -308,9 +308,11 @@ class GSPOLoss(GRPOLoss):
 
     @property
     def out_keys(self):
-        keys = list(super().out_keys)
-        names = (f.name for f in fields(self.output_type))
-        return keys + [n for n in names if n not in keys and n not in _BASE_FIELDS]
+        if getattr(self, "_out_keys", None) is None:  # GRPOLoss' defaults, then ours
+            keys = list(super().out_keys)
+            names = (f.name for f in fields(self.output_type))
+            self._out_keys = keys + [n for n in names if n not in keys and n not in _BASE_FIELDS]
+        return self._out_keys
 
     @out_keys.setter
     def out_keys(self, values):
