@@ -123,6 +123,32 @@ def test_engine_routes_of_the_wrong_shape_raise(rows, kwargs, words):
         routes_from_engine(array, 9, MOE_LAYERS, **kwargs)
 
 
+def test_float_engine_routes_are_refused_not_truncated():
+    """Converting 2.7 to an expert would give 2: a float dtype is refused before, with
+    the first row that holds a fraction."""
+    array = np.zeros((8, LAYERS, TOP_K), dtype=np.float32)
+    array[:, MOE_LAYERS] = [2.0, 3.0]
+    array[3, 2] = [2.7, 5.9]
+    fix = "Pass the integer expert ids as the engine returns them"
+    where = r"row 3, the route of token 3, holds 2.7 at layer 2"
+    with pytest.raises(ValueError, match=rf"float32, not integer expert ids \({where}\).*{fix}"):
+        routes_from_engine(array, 9, MOE_LAYERS)
+    with pytest.raises(ValueError, match=rf"torch.float64, not integer expert ids.*{fix}"):
+        routes_from_engine(torch.from_numpy(array.round()).double(), 9, MOE_LAYERS)
+
+
+def test_a_start_past_the_earlier_routes_is_refused():
+    """The earlier turn's last row is the filler of its last token (experts 0 .. k - 1):
+    start = len(earlier) would replay it as that token's route. An engine reports
+    start <= len(earlier) - 1, re-feeding that token."""
+    array = np.ones((5, LAYERS, TOP_K), dtype=np.int32) * [2, 3]
+    earlier = routes_from_engine(array, 6, MOE_LAYERS)  # 6 rows, row 5 the filler
+    with pytest.raises(ValueError, match=r"start=6 .* earlier holds 6 rows.*row 5.*start <= 5"):
+        routes_from_engine(array[:3], 10, MOE_LAYERS, start=6, earlier=earlier)
+    routes = routes_from_engine(array[:4], 10, MOE_LAYERS, start=5, earlier=earlier)
+    assert routes[:-1, 0].tolist() == [[2, 3]] * 9
+
+
 def test_a_missing_route_in_an_moe_layer_is_refused():
     """-1 inside an MoE layer (a route the engine did not record, NeMo-RL's marker)
     has no expert to force: the replay refuses it rather than routing afresh."""

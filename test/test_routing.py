@@ -259,6 +259,23 @@ def test_replay_for_checks_each_row_against_its_tokens():
         loss_fn(bare)
 
 
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [
+        ((5, 4, 3), r"row 2, layer 0 has top-k 3 where row 0 has 2"),
+        ((5, 3, 2), r"row 2 has 3 MoE layers where row 0 has 4 \(layer 3 is missing"),
+    ],
+)
+def test_rows_that_disagree_on_top_k_or_layers_are_refused(shape, message):
+    """from_rows pads with row 0's experts: a row of another top-k or layer count is
+    named, not left to torch's size error."""
+    _, replay, _ = _model()
+    rows = [torch.tensor([0, 1]).expand(n, 4, 2) for n in (3, 6)]
+    rows.append(torch.arange(shape[-1]).expand(shape))
+    with pytest.raises(ValueError, match=message + ".*same model and router top-k"):
+        replay.from_rows(rows)
+
+
 # ----- checkpointing (R4) -----
 
 

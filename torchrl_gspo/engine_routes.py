@@ -82,7 +82,8 @@ def routes_from_engine(
 
     Args:
         routes (numpy.ndarray | torch.Tensor): ``[n - 1 - start, num_layers, k]``
-            integer expert indices (vLLM: a numpy uint8 or uint16 array, SGLang: int32).
+            integer expert indices (vLLM: a numpy uint8 or uint16 array, SGLang: int32);
+            a float, complex or bool dtype is refused, not truncated.
         num_tokens (int): ``n``, the sequence's tokens.
         moe_layers (Sequence[int]): the decoder-layer indices of the MoE layers, in
             order (:attr:`RoutingReplay.num_layers` of them).
@@ -91,8 +92,10 @@ def routes_from_engine(
         start (int, optional): the first routed position (vLLM's
             ``routed_experts_prompt_start``, SGLang's ``routed_experts_start_len``).
             Defaults to 0.
-        earlier (torch.Tensor, optional): ``[>= start, layers, k]`` the routes of the
-            first ``start`` tokens; required when ``start > 0``.
+        earlier (torch.Tensor, optional): ``[> start, layers, k]`` the routes of the
+            earlier turn, one row per token, whose last row (that turn's last token,
+            filled) is never taken: an engine reports ``start <= len(earlier) - 1``.
+            Required when ``start > 0``.
 
     Returns:
         torch.Tensor: int64 ``[n, len(moe_layers), k]``.
@@ -105,7 +108,9 @@ def routes_from_engine(
         >>> routes_from_engine(engine, 5, [1])[:, 0].tolist()  # the last token: 0, 1
         [[2, 3], [2, 3], [2, 3], [2, 3], [0, 1]]
     """
-    routes = torch.as_tensor(routes).to(torch.int64)
+    routes = torch.as_tensor(routes)
+    _refuse_non_integer(routes, start)  # before the conversion truncates them
+    routes = routes.to(torch.int64)
     expected = num_tokens - 1 - start
     layers = list(moe_layers)
     top = max(layers, default=-1)
@@ -124,10 +129,62 @@ def routes_from_engine(
     if earlier is None or earlier.shape[0] < start or earlier.shape[1:] != routes.shape[1:]:
         raise ValueError(
             f"routes_from_engine: start={start} needs the routes of the first {start} "
-            f"tokens as earlier=[>= {start}, {len(layers)}, {routes.shape[-1]}] (the "
+            f"tokens as earlier=[> {start}, {len(layers)}, {routes.shape[-1]}] (the "
             "previous turn's routes, in this format)."
         )
+    _refuse_filler_start(start, earlier.shape[0])
     return torch.cat([earlier[:start].to(routes.dtype), routes, last])
+
+
+def _refuse_non_integer(routes: torch.Tensor, start: int) -> None:
+    """Raises when the engine's routes are not integer expert ids.
+
+    The dtype check syncs nothing; only the error, to name the first row holding a
+    fraction, reads the values (one device synchronisation, before raising).
+
+    Args:
+        routes (torch.Tensor): the engine's routes, ``[n - 1 - start, layers, k]``.
+        start (int): the first routed position (row ``j`` is token ``start + j``).
+    """
+    dtype = routes.dtype
+    if not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
+        return
+    where = ""
+    if dtype.is_floating_point and routes.ndim == 3:
+        fractions = (routes != routes.trunc()).nonzero()
+        if len(fractions):
+            row, layer, slot = fractions[0].tolist()
+            where = (
+                f" (row {row}, the route of token {start + row}, holds "
+                f"{routes[row, layer, slot].item():g} at layer {layer})"
+            )
+    raise ValueError(
+        f"routes_from_engine: the engine's routes are {dtype}, not integer expert "
+        f"ids{where}; converting them would truncate each value to an expert (2.7 -> "
+        "2). Pass the integer expert ids as the engine returns them (vLLM: a numpy "
+        "uint8 or uint16 array, SGLang: int32 from decode_sglang_routes), not a float "
+        "copy."
+    )
+
+
+def _refuse_filler_start(start: int, earlier_rows: int) -> None:
+    """Raises when ``start`` would take the earlier turn's last-token filler as a route.
+
+    Args:
+        start (int): the first routed position, ``> 0``.
+        earlier_rows (int): the rows of ``earlier``, one per token of the earlier turn.
+    """
+    if start < earlier_rows:
+        return
+    last = earlier_rows - 1
+    raise ValueError(
+        f"routes_from_engine: start={start} but earlier holds {earlier_rows} rows: its "
+        f"row {last} is the filler of the earlier turn's last token (experts 0 .. k - 1, "
+        f"never routed), which would be replayed as the route of token {last}. An "
+        f"engine routes that token again in the next turn, so it reports start <= {last}: "
+        "pass the start the engine returned, and earlier as the earlier turn's full "
+        "routes (one row per token, in this format)."
+    )
 
 
 def record_generation(

@@ -40,6 +40,32 @@ def _compact(num_experts: int) -> torch.dtype:
     return torch.int16 if num_experts <= 2**15 else torch.int32
 
 
+def _check_row_agrees(index: int, shape: torch.Size, first: torch.Size) -> None:
+    """Raises unless the routes of row ``index`` have row 0's layers and top-k.
+
+    Args:
+        index (int): the row's index in the batch.
+        shape (torch.Size): its routes' shape, ``[n, layers, k]``.
+        first (torch.Size): the shape of row 0's routes.
+    """
+    if shape[1:] == first[1:]:
+        return
+    if len(shape) != 3 or len(first) != 3:
+        wrong = f"row {index} has routes of shape {tuple(shape)} where row 0 has {tuple(first)}"
+    elif shape[1] != first[1]:
+        wrong = (
+            f"row {index} has {shape[1]} MoE layers where row 0 has {first[1]} (layer "
+            f"{min(shape[1], first[1])} is missing from one of them)"
+        )
+    else:
+        wrong = f"row {index}, layer 0 has top-k {shape[2]} where row 0 has {first[2]}"
+    raise ValueError(
+        f"RoutingReplay.from_rows: {wrong}. Each row's routes are [n, layers, top_k] with "
+        "the same layers and top-k: record all rows with the same model and router top-k "
+        "(num_experts_per_tok), e.g. with one RecordRoutes or record_generation."
+    )
+
+
 class RoutingReplay:
     r"""Records the experts a Mixture-of-Experts model selects, and forces them later.
 
@@ -333,7 +359,13 @@ class RoutingReplay:
         return [row[stacked.shape[1] - n :] for row, n in zip(stacked, lengths, strict=True)]
 
     def from_rows(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Routes per layer ``[B, T, k]`` of the left-padded batch of ``rows``."""
+        """Routes per layer ``[B, T, k]`` of the left-padded batch of ``rows``.
+
+        Every row must have row 0's layers and top-k (a check of shapes: no device
+        synchronisation); its padding takes experts ``0 .. k - 1``.
+        """
+        for index, row in enumerate(rows[1:], start=1):
+            _check_row_agrees(index, row.shape, rows[0].shape)
         width = max(r.shape[0] for r in rows)
         # padding positions get experts 0..k-1 (distinct, as top-k's are)
         fill = torch.arange(rows[0].shape[-1], device=rows[0].device, dtype=rows[0].dtype)
