@@ -76,13 +76,14 @@ def pad_mass(model, tokenizer, count: int, max_new_tokens: int) -> dict:
 
 def assistant_runs(tokens: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
     """The ids of each contiguous run of ``mask``, in order."""
-    runs, current = [], []
+    runs, previous = [], False
     for token, inside in zip(tokens.tolist(), mask.tolist(), strict=True):
+        if inside and not previous:
+            runs.append([])
         if inside:
-            current.append(token)
-        elif current:
-            runs, current = [*runs, current], []
-    return runs + [current] if current else runs
+            runs[-1].append(token)
+        previous = inside
+    return runs
 
 
 def kind(sampled: list[int], masked: list[int], eos: int) -> str:

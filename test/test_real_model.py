@@ -46,6 +46,18 @@ def real():
     return model, tokenizer
 
 
+def assert_mask_is_the_responses(scorer, data) -> None:
+    """The loss mask holds exactly each row's sampled response, by id (rows are read
+    left-padded, as the loss reads them)."""
+    _, mask = sequence_log_ratios(scorer, data)
+    full = data.get(("tokens", "full"), as_list=True)
+    padded = torch.nn.utils.rnn.pad_sequence(
+        full, batch_first=True, padding_value=-1, padding_side="left"
+    )
+    for row, response in enumerate(data.get(("tokens", "response"), as_list=True)):
+        assert torch.equal(padded[row][mask[row]], response)
+
+
 @pytest.mark.parametrize(
     "text, expected",
     [
@@ -135,15 +147,7 @@ def test_one_gspo_step_on_the_real_model(real, tmp_path):
     assert float(first.sequence_log_ratio_max_abs) <= 1e-5
     for _, out in seen:
         assert torch.isfinite(out.loss_objective).all()
-    scorer = gspo_toy.scoring_wrapper(task.model, task.tokenizer)
-    _, mask = sequence_log_ratios(scorer, data)
-    full = data.get(("tokens", "full"), as_list=True)
-    padded = torch.nn.utils.rnn.pad_sequence(
-        full, batch_first=True, padding_value=-1, padding_side="left"
-    )
-    responses = data.get(("tokens", "response"), as_list=True)
-    for row, response in enumerate(responses):
-        assert torch.equal(padded[row][mask[row]], response)
+    assert_mask_is_the_responses(gspo_toy.scoring_wrapper(task.model, task.tokenizer), data)
     advantages = torch.cat([d.get("advantage").reshape(-1) for d, _ in seen])
     if advantages.abs().sum() > 0:  # a group with different rewards: an update
         assert not torch.equal(before, task.model.model.norm.weight)
@@ -219,15 +223,8 @@ def test_sft_mask_is_the_sampled_tokens_of_each_turn(real):
         with torch.no_grad():
             data = history_generator(model, tokenizer, max_new_tokens)(prompts)
         data = RecomputeOldLogProbs(scorer, out_key="log_probs")(data)
-        _, mask = sequence_log_ratios(scorer, data)
-        full = data.get(("tokens", "full"), as_list=True)
-        padded = torch.nn.utils.rnn.pad_sequence(
-            full, batch_first=True, padding_value=-1, padding_side="left"
-        )
-        responses = data.get(("tokens", "response"), as_list=True)
-        for row, response in enumerate(responses):
-            assert torch.equal(padded[row][mask[row]], response)
-        endings += [int(r[-1]) == eos for r in responses]
+        assert_mask_is_the_responses(scorer, data)
+        endings += [int(r[-1]) == eos for r in data.get(("tokens", "response"), as_list=True)]
         histories = data["history"].full.unbind(0)
         prompts = lazy_stack([TensorDict(history=ChatHistory(prompt=h)) for h in histories])
     assert any(endings) and not all(endings)
