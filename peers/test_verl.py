@@ -31,7 +31,7 @@ from verl.trainer.ppo.rollout_corr_helper import (
 )
 from verl.workers.config import ActorConfig
 
-from torchrl_gspo import GMPOLoss, GSPOLoss, GSPOTokenLoss, RolloutCorrection, SAPOLoss
+from torchrl_gspo import GMPOLoss, GSPOLoss, GSPOTokenLoss, RolloutCorrection, SAPOLoss, Scores
 from torchrl_gspo import rollout_terms as our_rollout_terms
 
 
@@ -184,3 +184,37 @@ def test_seq_mean_k1_rejects_what_the_reflected_band_rejects(verl_band, mismatch
         naive_kept = our_rollout_terms(t["old"], t["rollout"], mask, naive).weight.bool()
         assert not torch.equal(verl_kept[nonempty], naive_kept[nonempty])
     assert (~verl_kept & nonempty).any() and (verl_kept & nonempty).any()
+
+
+def test_sapo_below_minus_20_keeps_the_papers_gate_where_verl_clamps():
+    """verl clamps each token's log-ratio to [-20, 20] before its gate; SAPOLoss clamps
+    it only from above (where exp() would overflow) and, like TRL, not from below,
+    where the gate is the paper's formula: a token at -25 gets the formula's gradient
+    (about -4e-12) from SAPOLoss and exactly 0 from verl. The values then differ by at
+    most 4 |A| max(sigma') (e^-20 - e^-25) <= 2.1e-9 |A| per token."""
+    log_ratio = torch.tensor([[-25.0, -0.1, 0.2]], dtype=torch.float64)
+    old = torch.full_like(log_ratio, -1.0)
+    current = (old + log_ratio).requires_grad_()
+    mask = torch.ones_like(log_ratio, dtype=torch.bool)
+    advantage = torch.ones_like(log_ratio)  # A > 0: tau_pos = 1
+    theirs, _ = get_policy_loss_fn("sapo")(
+        old, current, advantage, mask, "token-mean", config(tau_pos=1.0, tau_neg=1.05)
+    )
+    (their_grad,) = torch.autograd.grad(theirs, current)
+    lengths = mask.sum(-1)
+    token_log_ratio = current - old
+    scores = Scores(
+        current, old, old, mask, lengths, token_log_ratio,
+        token_log_ratio.sum(-1) / lengths, advantage[:, :1].reshape(1, 1, 1),
+    )  # fmt: skip
+    terms, _ = SAPOLoss(entropy_bonus=False)._objective(scores)
+    ours = terms.mean()  # the token mean of the row's three terms
+    (our_grad,) = torch.autograd.grad(ours, current)
+    gate = torch.sigmoid(log_ratio.exp() - 1)
+    formula = -4 * gate * (1 - gate) * log_ratio.exp() / 3  # d/dlog r of -4 sigma A / 3
+    # torch's expm1 backward takes e^l as expm1(l) + 1: an absolute rounding of one ulp
+    # of 1 (2.2e-16), times 4 sigma' / 3 <= 1/3
+    torch.testing.assert_close(our_grad, formula, rtol=1e-12, atol=7.4e-17)
+    assert their_grad[0, 0] == 0 and our_grad[0, 0] < -1e-12
+    torch.testing.assert_close(their_grad[0, 1:], our_grad[0, 1:], rtol=1e-12, atol=0)
+    assert abs(float((ours - theirs).detach())) <= 2.1e-9 / 3

@@ -691,10 +691,10 @@ def test_the_policy_lag_is_read_outside_the_graph():
 def test_a_compiled_loss_sees_an_optional_key_that_appears(optional):
     """A graph traced on a batch without an optional input must not serve a batch that
     holds it with as many keys (another key in its place): TensorDict's
-    ``get(key, None)`` is not guarded under torch.compile, membership is. Reusing the
-    graph would silently ignore the input. The policy lag's graph break makes the
-    batch reading a frame of its own, guarded by its reads alone (in the one-graph
-    forward another read happens to guard the key)."""
+    ``get(key, None)`` and a failing membership test of a nested key are not guarded
+    under torch.compile, the list of the keys is. Reusing the graph would silently
+    ignore the input. The policy lag's graph break ends the first graph after the
+    batch reading, so that graph is guarded by the reads alone."""
     torch._dynamo.reset()
     actor = BigramActor()
     rows = make_rows(actor=actor, noise=1e-3, seed=16, nan_prompt=False)

@@ -2,8 +2,9 @@
 #
 # This source code is licensed under the MIT license found in the
 # LICENSE file in the root directory of this source tree.
-"""Checks of construction arguments (each error names the argument and the fix), and
-the package's warnings, attributed to the user's line."""
+"""Checks of construction arguments (each error names the argument and the fix), the
+checked options as the batch functions read them, and the package's warnings,
+attributed to the user's line."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import numbers
 import os
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import tensordict
 import torch
@@ -22,6 +24,37 @@ import torchrl
 _INTERNAL = tuple(
     os.path.dirname(module.__file__) + os.sep for module in (torch, tensordict, torchrl)
 ) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+
+
+class Options(NamedTuple):
+    """A loss' options, as reading, scoring and checking a batch read them.
+
+    Attributes:
+        owner: the loss' class name, which every error message starts with.
+        keys: the loss' ``tensor_keys``.
+        masking_strategy: ``"sft"``, ``"rlhf"`` or ``"generic"``.
+        response_mask_check: ``"raise"``, ``"warn"`` or ``"ignore"``.
+        rollout_correction: the correction's mode, or ``None``.
+        aggregation, reduction: how the loss terms are reduced.
+        kl_to_ref_coeff: the KL-to-reference coefficient, or ``None``.
+        ref_padding: ``(value, side)`` with which reference log-probs are padded.
+        policy_version: the trainer's version as a function, or ``None``.
+        advantage_level: ``"sequence"`` or ``"token"``.
+        tokenizer: the actor's tokenizer, to name a cause in an error, or ``None``.
+    """
+
+    owner: str
+    keys: Any
+    masking_strategy: str
+    response_mask_check: str
+    rollout_correction: str | None
+    aggregation: str
+    reduction: str
+    kl_to_ref_coeff: float | None
+    ref_padding: tuple[float, str]
+    policy_version: Callable[[], int] | None
+    advantage_level: str
+    tokenizer: Any
 
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:

@@ -12,8 +12,8 @@ import torch
 from torchrl.modules.llm import LLMWrapperBase
 from torchrl.objectives.llm.grpo import LLMLossOutput
 
-from torchrl_gspo._batch import Scores
 from torchrl_gspo.gspo import GSPOLoss, GSPOLossOutput
+from torchrl_gspo.scores import Scores
 
 __all__ = ["GMPOLoss", "GMPOLossOutput"]
 
@@ -99,24 +99,18 @@ class GMPOLoss(GSPOLoss):
         # GMPO's range is in log space: (-eps_low, eps_high)
         return -self.clip_epsilon_low, self.clip_epsilon_high
 
-    def _clipped(self, scores: Scores) -> torch.Tensor:
-        """``[B, T]`` each token's log-ratio, clipped on its advantage's side."""
+    def _objective(self, scores: Scores) -> tuple[torch.Tensor, torch.Tensor]:
+        r""":math:`-\hat A_i` times the geometric mean of the clipped ratios, ``[B, 1, 1]``,
+        and ``[B, T]`` 1 on the valid tokens whose log-ratio the clip changed."""
         log_ratio = scores.token_log_ratio  # 0 off the mask, and so is its clip
         low, high = (b.to(log_ratio.dtype) for b in self._clip_bounds)
-        clipped = log_ratio.clamp(low, high)
+        bound = log_ratio.clamp(low, high)
         positive = scores.advantage.reshape(-1, 1) > 0
-        return torch.where(
-            positive, torch.minimum(log_ratio, clipped), torch.maximum(log_ratio, clipped)
+        clipped = torch.where(
+            positive, torch.minimum(log_ratio, bound), torch.maximum(log_ratio, bound)
         )
-
-    def _objective(self, scores: Scores) -> torch.Tensor:
-        r""":math:`-\hat A_i` times the geometric mean of the clipped ratios, ``[B, 1, 1]``."""
-        mean = self._clipped(scores).sum(-1) / scores.lengths.clamp_min(1).to(scores.current.dtype)
+        mean = clipped.sum(-1) / scores.lengths.clamp_min(1).to(log_ratio.dtype)
         if self.max_log_ratio is not None:
             mean = mean.clamp(max=self.max_log_ratio)
-        return -scores.advantage * mean.exp().reshape(-1, 1, 1)
-
-    def _diagnostic(self, scores: Scores) -> torch.Tensor:
-        """``[B, T]`` 1 on the valid tokens whose log-ratio the clip changed."""
-        changed = self._clipped(scores).detach() != scores.token_log_ratio.detach()
-        return (changed & scores.mask).to(scores.current.dtype)
+        changed = (clipped.detach() != log_ratio.detach()) & scores.mask
+        return -scores.advantage * mean.exp().reshape(-1, 1, 1), changed.to(log_ratio.dtype)

@@ -17,10 +17,11 @@ from torch import distributions as d
 from torchrl.modules.llm import LLMWrapperBase
 from torchrl.objectives.llm.grpo import GRPOLoss, LLMLossOutput
 
-from torchrl_gspo import _arguments, _batch
-from torchrl_gspo._batch import Batch, Scores
+from torchrl_gspo import _arguments
+from torchrl_gspo._reader import Batch, read_batch, read_lag
 from torchrl_gspo.diagnostics import SequenceDiagnosticsOutput, SequenceStatistics
 from torchrl_gspo.rollout import RolloutCorrection, rollout_terms
+from torchrl_gspo.scores import Scores, dropped_tokens, loss_weight, off_policy_keep, score
 
 if TYPE_CHECKING:
     from torchrl.envs.llm.transforms import PolicyVersion
@@ -237,6 +238,14 @@ class GSPOLoss(GRPOLoss):
         _arguments.choice("aggregation", aggregation, ("prompt_mean", "token_mean", "none"))
         eps = (eps_low, eps_high)
         _arguments.warn_off_paper(self, clip_epsilon, eps, self.wide_clip_epsilon, aggregation)
+        # set before GRPOLoss' constructor, which builds the in_keys (_set_in_keys)
+        self.max_log_ratio = max_log_ratio
+        self.response_mask_check = response_mask_check
+        self._correction, self._correction_form = correction, rollout_correction_form
+        self.policy_version = _arguments.version_source(policy_version)
+        self.off_policy_mask_threshold = _arguments.off_policy_threshold(off_policy_mask_threshold)
+        # Warn-once flag: it only silences a repeated warning, never changes a result.
+        self._warned_half_precision = False
         super().__init__(
             actor_network,
             clip_epsilon=eps,
@@ -248,15 +257,6 @@ class GSPOLoss(GRPOLoss):
         for buffer, value in zip(_CLIP_BUFFERS, (eps_low, eps_high), strict=True):
             device = getattr(self, buffer).device
             setattr(self, buffer, torch.tensor(value, dtype=torch.float64, device=device))
-        self.max_log_ratio = max_log_ratio
-        self.response_mask_check = response_mask_check
-        self._correction, self._correction_form = correction, rollout_correction_form
-        self.policy_version = _arguments.version_source(policy_version)
-        self.off_policy_mask_threshold = _arguments.off_policy_threshold(off_policy_mask_threshold)
-        if self.policy_version is not None:
-            self._set_in_keys()  # GRPOLoss built them before the attribute existed
-        # Warn-once flag: it only silences a repeated warning, never changes a result.
-        self._warned_half_precision = False
 
     @dataclass
     class _AcceptedKeys(GRPOLoss._AcceptedKeys):
@@ -289,7 +289,7 @@ class GSPOLoss(GRPOLoss):
     def _set_in_keys(self):
         super()._set_in_keys()
         keys = [self.tensor_keys.old_log_prob]
-        if getattr(self, "policy_version", None) is not None:
+        if self.policy_version is not None:
             keys.append(self.tensor_keys.policy_version)
         self._in_keys.extend(key for key in keys if key not in self._in_keys)
 
@@ -327,77 +327,75 @@ class GSPOLoss(GRPOLoss):
         Returns:
             GSPOLossOutput: the loss terms and diagnostics.
         """
-        batch = _batch.read_batch(tensordict, self)
+        options = self._options()
+        batch = read_batch(tensordict, options)
+        # the trainer's version changes every update: read eagerly (one graph break)
+        lag = None if self.policy_version is None else read_lag(tensordict, options)
         # the actor may write on what it gets (TorchRL's "rlhf" path does): a shallow copy
         current, dist, _ = self._get_cur_log_prob(tensordict.copy())
-        kept, mask = _batch.loss_mask(self, batch, current, dist.mask)
         dtype = self._accumulation_dtype(current.dtype, batch.old.dtype)
-        scores, varies = _batch.score(batch, current, mask, dtype, self.advantage_level)
-        _batch.check_scored(
-            self,
-            batch,
-            valid=dist.mask,
-            kept=kept,
-            mask=mask,
-            log_ratio=scores.log_ratio,
-            current=current,
-            varies=varies,
-        )
+        scores = score(batch, current, dist.mask, options, dtype)  # masked and checked
         rollout = None
         if batch.rollout is not None:
-            rollout = rollout_terms(scores.old, scores.rollout, mask, self._correction)
-        weight = _batch.loss_weight(batch, None if rollout is None else rollout.loss_weight)
+            rollout = rollout_terms(scores.old, scores.rollout, scores.mask, self._correction)
         keep = None
         if self.off_policy_mask_threshold is not None:
-            keep = _batch.off_policy_keep(scores, self.off_policy_mask_threshold)
-            weight = keep.to(scores.current.dtype) if weight is None else _batch.times(weight, keep)
-        diagnostic = self._diagnostic(scores)
+            keep = off_policy_keep(scores, self.off_policy_mask_threshold)
+        weight = loss_weight(batch.scale, rollout, keep)
+        terms = self._objective(scores)  # the variant hook
+        terms, diagnostic = terms if isinstance(terms, tuple) else (terms, None)
         stats = SequenceStatistics.of(
             scores.log_ratio.detach(),
             scores.lengths,
             self._clip_bounds,
             rollout,
-            batch.lag,
+            lag,
             objective=None if diagnostic is None else diagnostic.detach().sum(-1),
-            masked=None if keep is None else _batch.dropped_tokens(scores, keep),
+            masked=None if keep is None else dropped_tokens(scores, keep),
         )
         aggregation_mask = self._kl_filter(scores)
-        objective = self._objective(scores)
         out = {
-            "loss_objective": self._aggregate(objective, aggregation_mask, weight, tensordict),
+            "loss_objective": self._aggregate(terms, aggregation_mask, weight, tensordict),
             "kl_approx": -scores.token_log_ratio.detach().mean(),
             **stats.fields(),
             **self._regularisers(batch, current, dist, aggregation_mask, weight, tensordict),
         }
         return self.output_type.from_tensordict(TensorDict(out, batch_size=[]))
 
-    def _objective(self, scores: Scores) -> torch.Tensor:
-        """The loss terms of the objective: the hook a variant overrides.
+    def _objective(self, scores: Scores) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The loss terms of the objective: the hook a variant overrides (:doc:`/design`).
 
         Args:
             scores (Scores): the batch scored by the current policy.
 
         Returns:
-            torch.Tensor: the loss terms per sequence, ``[B, 1, 1]``, or per token,
-            ``[B, T, 1]``. Here GRPOLoss' clipped surrogate on :math:`\\log s_i`.
+            torch.Tensor | tuple[torch.Tensor, torch.Tensor]: the loss terms per
+            sequence, ``[B, 1, 1]``, or per token, ``[B, T, 1]``; or the terms and
+            the objective's own diagnostic, ``[B, T]`` per-token values, 0 off the
+            mask, computed in the same pass. Here GRPOLoss' clipped surrogate on
+            :math:`\\log s_i`, without a diagnostic.
         """
         log_ratio = scores.log_ratio  # -inf (a token of probability 0): the lowest float
         log_ratio = log_ratio.clamp(torch.finfo(log_ratio.dtype).min, self.max_log_ratio)
         loss, _ = self._compute_policy_objective(log_ratio.reshape(-1, 1, 1), scores.advantage)
         return loss
 
-    def _diagnostic(self, scores: Scores) -> torch.Tensor | None:
-        """The objective's own diagnostic, per token: the hook a variant may override.
-
-        Args:
-            scores (Scores): the batch scored by the current policy.
-
-        Returns:
-            torch.Tensor | None: ``[B, T]`` values, 0 off the mask, whose mean over
-            the valid tokens is the output's ``objective_diagnostic``; ``None``
-            (here) for none.
-        """
-        return None
+    def _options(self) -> _arguments.Options:
+        """The options that reading, scoring and checking a batch read, at this call."""
+        return _arguments.Options(
+            owner=type(self).__name__,
+            keys=self.tensor_keys,
+            masking_strategy=self.masking_strategy,
+            response_mask_check=self.response_mask_check,
+            rollout_correction=self.rollout_correction,
+            aggregation=self.aggregation,
+            reduction=self.reduction,
+            kl_to_ref_coeff=self.kl_to_ref_coeff,
+            ref_padding=(self.ref_log_prob_padding_value, self.ref_log_prob_padding_side),
+            policy_version=self.policy_version,
+            advantage_level=self.advantage_level,
+            tokenizer=getattr(self.actor_network, "tokenizer", None),
+        )
 
     def _accumulation_dtype(self, current: torch.dtype, old: torch.dtype) -> torch.dtype:
         """The log-probs' promoted dtype, at least float32; half precision warns once."""

@@ -10,8 +10,8 @@ import torch
 from torchrl.modules.llm import LLMWrapperBase
 from torchrl.objectives.llm.grpo import LLMLossOutput
 
-from torchrl_gspo._batch import Scores
 from torchrl_gspo.gspo import GSPOLoss, GSPOLossOutput
+from torchrl_gspo.scores import Scores
 
 __all__ = ["LUSPOLoss", "LUSPOLossOutput"]
 

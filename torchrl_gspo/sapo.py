@@ -14,8 +14,8 @@ from torchrl.modules.llm import LLMWrapperBase
 from torchrl.objectives.llm.grpo import LLMLossOutput
 
 from torchrl_gspo import _arguments
-from torchrl_gspo._batch import Scores
 from torchrl_gspo.gspo import GSPOLoss, GSPOLossOutput
+from torchrl_gspo.scores import Scores
 
 __all__ = ["SAPOLoss", "SAPOLossOutput"]
 
@@ -96,24 +96,17 @@ class SAPOLoss(GSPOLoss):
         self.temperatures = _arguments.positive_pair(temperatures, "temperatures")
         super().__init__(actor_network, **kwargs)
 
-    def _gate(self, scores: Scores) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(sigma(tau (r - 1)), tau)``, each ``[B, T]``."""
+    def _objective(self, scores: Scores) -> tuple[torch.Tensor, torch.Tensor]:
+        r"""The gated term of each token, ``[B, T, 1]``, and ``[B, T]`` the gate's
+        gradient weight :math:`4\sigma(1 - \sigma)`, 0 off the mask."""
         # the gate is saturated long before: the clamp only keeps exp() finite (0 * inf
-        # would be a NaN gradient), as verl's +-20
+        # would be a NaN gradient), as verl's upper clamp; verl's lower one, at -20, is
+        # not taken: the paper's gate is kept there (docs' objectives page)
         cap = 20.0 if self.max_log_ratio is None else min(self.max_log_ratio, 20.0)
         log_ratio = scores.token_log_ratio.clamp(max=cap)
         positive = scores.advantage.squeeze(-1) > 0  # [B, 1] or [B, T]
         pos, neg = (torch.tensor(t, dtype=log_ratio.dtype) for t in self.temperatures)
         tau = torch.where(positive, pos.to(log_ratio.device), neg.to(log_ratio.device))
-        return torch.sigmoid(tau * log_ratio.expm1()), tau.expand_as(log_ratio)
-
-    def _objective(self, scores: Scores) -> torch.Tensor:
-        """The gated term of each token, ``[B, T, 1]``."""
-        gate, tau = self._gate(scores)
-        return -(4 * gate / tau).unsqueeze(-1) * scores.advantage
-
-    def _diagnostic(self, scores: Scores) -> torch.Tensor:
-        r"""``[B, T]`` the gate's gradient weight :math:`4\sigma(1 - \sigma)`, 0 off the mask."""
-        gate, _ = self._gate(scores)
-        gate = gate.detach()
-        return torch.where(scores.mask, 4 * gate * (1 - gate), 0.0)
+        gate = torch.sigmoid(tau * log_ratio.expm1())
+        weight = torch.where(scores.mask, 4 * gate.detach() * (1 - gate.detach()), 0.0)
+        return -(4 * gate / tau).unsqueeze(-1) * scores.advantage, weight

@@ -14,8 +14,8 @@ from torchrl.modules.llm import LLMWrapperBase
 from torchrl.objectives.llm.grpo import LLMLossOutput
 
 from torchrl_gspo import _arguments
-from torchrl_gspo._batch import Scores
 from torchrl_gspo.gspo import GSPOLoss, GSPOLossOutput
+from torchrl_gspo.scores import Scores
 
 __all__ = ["VESPOLoss", "VESPOLossOutput"]
 
@@ -124,13 +124,11 @@ class VESPOLoss(GSPOLoss):
         k, lam = torch.where(positive.unsqueeze(-1), shapes[0], shapes[1]).unbind(-1)
         return (lam + k * log_w - lam * log_w.exp()).exp()
 
-    def _objective(self, scores: Scores) -> torch.Tensor:
-        r""":math:`-\phi(W_i) \hat A_i \log\pi_\theta` per token, ``[B, T, 1]``."""
-        weight = self._phi(scores).reshape(-1, 1, 1) * scores.advantage
+    def _objective(self, scores: Scores) -> tuple[torch.Tensor, torch.Tensor]:
+        r""":math:`-\phi(W_i) \hat A_i \log\pi_\theta` per token, ``[B, T, 1]``, and
+        ``[B, T]`` :math:`\phi(W_i)` on each valid token."""
+        phi = self._phi(scores)
         current = scores.current  # -inf (a token of probability 0): the lowest float
         current = current.clamp(min=torch.finfo(current.dtype).min)
-        return -weight * current.unsqueeze(-1)
-
-    def _diagnostic(self, scores: Scores) -> torch.Tensor:
-        r"""``[B, T]`` :math:`\phi(W_i)` on each valid token."""
-        return torch.where(scores.mask, self._phi(scores).unsqueeze(-1), 0.0)
+        terms = -(phi.reshape(-1, 1, 1) * scores.advantage) * current.unsqueeze(-1)
+        return terms, torch.where(scores.mask, phi.unsqueeze(-1), 0.0)

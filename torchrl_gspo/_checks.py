@@ -1,0 +1,265 @@
+# Copyright (c) torchrl_gspo contributors.
+#
+# This source code is licensed under the MIT license found in the
+# LICENSE file in the root directory of this source tree.
+"""The input rules on values, each written once.
+
+A rule is one function that returns the rows that break it and the error that names
+them, the key and the fix. The rules themselves are stated in the documentation's
+"Inputs" page. :func:`check_scored` enforces the rules on scored values with one
+synchronisation, or in-graph under ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+from tensordict import TensorDictBase
+
+from torchrl_gspo._arguments import Options, warn
+
+RESPONSE_KEY = ("tokens", "response")
+PROMPT_KEY, FULL_KEY = ("tokens", "prompt"), ("tokens", "full")
+
+
+class Rule(NamedTuple):
+    """One rule on a batch's values.
+
+    Attributes:
+        bad: ``[B]`` the rows that break it (a boolean tensor, no synchronisation).
+        error: the error naming those rows, built only when some row breaks it.
+        warns: whether a broken rule warns instead of raising.
+    """
+
+    bad: torch.Tensor
+    error: Callable[[], Exception]
+    warns: bool = False
+
+
+def enforce(error: Exception | None, mode: str) -> None:
+    """Raises ``error`` (``mode="raise"``), warns with it (``"warn"``), or ignores it."""
+    if error is None or mode == "ignore":
+        return
+    if mode == "raise":
+        raise error
+    warn(str(error))
+
+
+def check_scored(owner: str, rules: Sequence[Rule]) -> None:
+    """Enforces ``rules``: the first broken one raises, then the broken warnings warn.
+
+    In eager mode one synchronisation reads every rule's flag; under ``torch.compile``
+    the rules that raise are checked in-graph with ``torch._assert_async`` (no
+    data-dependent branch, no graph break) and the eager run gives the details.
+    """
+    if torch.compiler.is_compiling():
+        broken = torch.stack([rule.bad.any() for rule in rules if not rule.warns])
+        torch._assert_async(
+            broken.logical_not().all(),
+            f"{owner}: invalid input (non-finite old or rollout log-probabilities on "
+            "response tokens, NaN current log-probabilities, advantages that are "
+            "missing, not finite or varying within a sequence, or a sequence scale that "
+            "is not finite and >= 0); run the loss eagerly for the details.",
+        )
+        return
+    broken = torch.stack([rule.bad.any() for rule in rules]).tolist()
+    for rule, bad in zip(rules, broken, strict=True):
+        if bad and not rule.warns:
+            raise rule.error()
+    for rule, bad in zip(rules, broken, strict=True):
+        if bad:
+            warn(str(rule.error()))
+
+
+def _where(bad: torch.Tensor) -> str:
+    rows = bad.any(-1).nonzero().squeeze(-1).tolist()
+    return f"{int(bad.sum())} valid token(s), in batch row(s) {rows}"
+
+
+def _rows(bad: torch.Tensor) -> list[int]:
+    return bad.nonzero().squeeze(-1).tolist()
+
+
+def finite_log_probs(
+    options: Options,
+    old: torch.Tensor,
+    rollout: torch.Tensor | None,
+    valid: torch.Tensor,
+    kept: torch.Tensor,
+) -> list[Rule]:
+    """The old and the rollout log-probabilities are finite on the loss mask.
+
+    Non-finite values are accepted on the prompt only: before a row's first kept
+    token, and outside the ``"sft"`` mask.
+    """
+    finite_old = valid & old.isfinite()
+    bad_old, bad_rollout = valid & ~finite_old, finite_old & ~kept
+    if options.masking_strategy != "sft":
+        after_first = kept.cumsum(-1) > 0
+        bad_old, bad_rollout = bad_old & after_first, bad_rollout & after_first
+    keys = options.keys
+    roles = [(bad_old, keys.sample_log_prob if rollout is None else keys.old_log_prob, "old")]
+    if rollout is not None:
+        roles.append((bad_rollout, keys.sample_log_prob, "rollout"))
+    return [
+        Rule(
+            bad.any(-1),
+            lambda bad=bad, key=key, role=role: ValueError(
+                f"{options.owner}: the {role} log-probabilities at {key!r} are NaN or "
+                f"infinite on {_where(bad)} of the loss mask "
+                f"(masking_strategy={options.masking_strategy!r}). Non-finite "
+                "log-probabilities are accepted only on the prompt, where vLLM writes "
+                "NaN: before the first finite value of a row, and outside the 'sft' "
+                "mask. Store a finite log-probability for every response token."
+            ),
+        )
+        for bad, key, role in roles
+    ]
+
+
+def finite_current(options: Options, current: torch.Tensor, mask: torch.Tensor) -> Rule:
+    """The actor's log-probabilities are neither NaN nor +inf on the loss mask."""
+    bad = mask & (current.isnan() | (current == math.inf))
+    return Rule(
+        bad.any(-1),
+        lambda: ValueError(
+            f"{options.owner}: the actor returned NaN or +inf log-probabilities on "
+            f"{_where(bad)}. Log-probabilities are at most 0; check the model's "
+            "logits (e.g. for overflow in half precision)."
+        ),
+    )
+
+
+def finite_advantage(options: Options, has_value: torch.Tensor, mask: torch.Tensor) -> Rule:
+    """Every sequence (``has_value`` ``[B]``) or every masked token (``[B, T]``) has a
+    finite advantage."""
+    key = options.keys.advantage
+    if has_value.ndim == 1:
+        return Rule(
+            ~has_value,
+            lambda: ValueError(
+                f"{options.owner}: the advantage at {key!r} is NaN or infinite in batch "
+                f"row(s) {_rows(~has_value)}. Every sequence needs a finite advantage "
+                "(GRPO-style group advantages are finite: check the reward and the group "
+                "statistics)."
+            ),
+        )
+    uncovered = mask & ~has_value
+    return Rule(
+        uncovered.any(-1),
+        lambda: ValueError(
+            f"{options.owner}: the advantage at {key!r} is NaN, infinite or padding at "
+            f"{_where(uncovered)}. Every token of the loss mask needs a finite "
+            "advantage; ragged rows are read left-padded, aligned with the end of the "
+            "tokens."
+        ),
+    )
+
+
+def constant_advantage(options: Options, varies: torch.Tensor) -> Rule:
+    """A loss with one advantage per sequence gets advantages constant over each one."""
+    return Rule(
+        varies,
+        lambda: ValueError(
+            f"{options.owner}: the advantage at {options.keys.advantage!r} varies across "
+            f"the valid tokens of batch row(s) {_rows(varies)}. GSPO needs one "
+            "advantage per sequence; for per-token advantages use GSPOTokenLoss "
+            "(GSPO-token, paper section 4.3)."
+        ),
+    )
+
+
+def valid_scale(options: Options, scale: torch.Tensor) -> Rule:
+    """The sequence scale of the global normalisation is finite and >= 0."""
+    return Rule(
+        ~(scale.isfinite() & (scale >= 0)),
+        lambda: ValueError(
+            f"{options.owner}: the sequence scale at {options.keys.sequence_scale!r} "
+            f"must be finite and >= 0, got {scale.tolist()}."
+        ),
+    )
+
+
+def response_mask(options: Options, lengths: torch.Tensor, expected: torch.Tensor) -> Rule:
+    """The ``"sft"`` mask counts the sampled response's tokens; it warns with
+    ``response_mask_check="warn"``."""
+    wrong = lengths != expected
+    return Rule(
+        wrong,
+        lambda: ValueError(
+            f"{options.owner}: the 'sft' loss mask does not match the sampled responses "
+            f"at {RESPONSE_KEY!r} in batch row(s) {_rows(wrong)}: valid tokens "
+            f"{lengths[wrong].tolist()} vs response lengths {expected[wrong].tolist()}. "
+            "GSPO divides each sequence log-ratio by this count, so those ratios are "
+            "wrong. Known cause: a training wrapper with pad_output=True on ragged rows. "
+            "Working configuration: TransformersWrapper(input_mode='tokens', "
+            "generate=False, return_log_probs=True, pad_output=False) on lazily stacked "
+            "data. Pass response_mask_check='warn' or 'ignore' to override."
+        ),
+        warns=options.response_mask_check == "warn",
+    )
+
+
+def finite_log_ratio(options: Options, log_ratio: torch.Tensor) -> Rule:
+    """The sequence log-ratio is not NaN or +inf once every log-probability is finite."""
+    bad = ~(log_ratio < math.inf)  # True for NaN and +inf
+    return Rule(
+        bad,
+        lambda: ValueError(
+            f"{options.owner}: the sequence log-ratio is not finite in batch row(s) "
+            f"{_rows(bad)} although every log-probability is: the current minus the old "
+            "log-probabilities overflow. Check the old log-probabilities at "
+            f"{options.keys.sample_log_prob!r} (and {options.keys.old_log_prob!r})."
+        ),
+    )
+
+
+def stripped_context(
+    rows: list[TensorDictBase], owner: str, tokenizer=None
+) -> tuple[list[int], ValueError | None]:
+    """Rows whose sequence is not their prompt followed by their response.
+
+    TorchRL's ``Tokens`` hold ``full = prompt + response``. A row whose ``full`` is
+    shorter lost tokens after sampling: TorchRL's wrappers strip pad ids, so a
+    tokenizer whose pad token is its end of turn deletes every end of turn, the
+    prompt's and the sampled one. The loss would then score another context than the
+    one that was sampled.
+
+    Args:
+        rows (list[TensorDictBase]): the rows of a lazily stacked batch.
+        owner (str): the name the error starts with.
+        tokenizer: the actor's tokenizer, to name pad = eos in the error, or ``None``.
+
+    Returns:
+        tuple[list[int], ValueError | None]: the bad rows and the error naming them
+        (``None`` when every row holds the three keys consistently or none of them).
+    """
+    keys = (PROMPT_KEY, RESPONSE_KEY, FULL_KEY)
+    present = [all(key in row.keys(include_nested=True) for key in keys) for row in rows]
+    if not all(present):
+        return [], None
+    lengths = [[row.get(key).shape[-1] for key in keys] for row in rows]
+    bad = [i for i, (prompt, response, full) in enumerate(lengths) if prompt + response != full]
+    if not bad:
+        return [], None
+    pad = getattr(tokenizer, "pad_token_id", None)
+    cause = "a pad token equal to the end-of-turn token"
+    if pad is not None and pad == getattr(tokenizer, "eos_token_id", None):
+        cause = f"this actor's tokenizer: its pad token is its end of turn (id {pad})"
+    found = [lengths[i] for i in bad]
+    return bad, ValueError(
+        f"{owner}: the tokens at {FULL_KEY!r} are not the prompt at {PROMPT_KEY!r} "
+        f"followed by the response at {RESPONSE_KEY!r} in batch row(s) {bad}: "
+        f"{[full for _, _, full in found]} tokens vs "
+        f"{[prompt + response for prompt, response, _ in found]} (prompt + response). "
+        "Tokens were stripped after sampling, so the loss would score a context that "
+        f"was not sampled. Known cause: {cause}; TorchRL strips pad ids from the "
+        "sampled tokens, every end of turn included. Fix: give the tokenizer a pad "
+        "token distinct from its end of turn (e.g. tokenizer.pad_token = "
+        "'<|endoftext|>'), set it as the model's generation_config.pad_token_id, and "
+        "ban it in generation (bad_words_ids). Pass response_mask_check='warn' or "
+        "'ignore' to override."
+    )
