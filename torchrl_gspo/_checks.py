@@ -65,7 +65,7 @@ def check_scored(owner: str, rules: Sequence[Rule]) -> None:
             "is not finite and >= 0); run the loss eagerly for the details.",
         )
         return
-    broken = torch.stack([rule.bad.any() for rule in rules]).tolist()
+    broken = torch.stack([rule.bad for rule in rules]).any(-1).tolist()
     for rule, bad in zip(rules, broken, strict=True):
         if bad and not rule.warns:
             raise rule.error()
@@ -95,15 +95,16 @@ def finite_log_probs(
     Non-finite values are accepted on the prompt only: before a row's first kept
     token, and outside the ``"sft"`` mask.
     """
-    finite_old = valid & old.isfinite()
-    bad_old, bad_rollout = valid & ~finite_old, finite_old & ~kept
+    keys = options.keys
+    if rollout is None:  # kept is then exactly the valid tokens with finite old ones
+        roles = [(valid & ~kept, keys.sample_log_prob, "old")]
+    else:
+        finite_old = valid & old.isfinite()
+        roles = [(valid & ~finite_old, keys.old_log_prob, "old")]
+        roles.append((finite_old & ~kept, keys.sample_log_prob, "rollout"))
     if options.masking_strategy != "sft":
         after_first = kept.cumsum(-1) > 0
-        bad_old, bad_rollout = bad_old & after_first, bad_rollout & after_first
-    keys = options.keys
-    roles = [(bad_old, keys.sample_log_prob if rollout is None else keys.old_log_prob, "old")]
-    if rollout is not None:
-        roles.append((bad_rollout, keys.sample_log_prob, "rollout"))
+        roles = [(bad & after_first, key, role) for bad, key, role in roles]
     return [
         Rule(
             bad.any(-1),
@@ -122,7 +123,7 @@ def finite_log_probs(
 
 def finite_current(options: Options, current: torch.Tensor, mask: torch.Tensor) -> Rule:
     """The actor's log-probabilities are neither NaN nor +inf on the loss mask."""
-    bad = mask & (current.isnan() | (current == math.inf))
+    bad = mask & ~(current < math.inf)  # NaN or +inf
     return Rule(
         bad.any(-1),
         lambda: ValueError(
