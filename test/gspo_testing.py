@@ -7,13 +7,19 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import warnings
 
 import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 from tensordict.nn import TensorDictModuleBase
 from torchrl.modules.distributions import LLMMaskedCategorical
+from torchrl.objectives.llm import GRPOLoss
 
+# True when the torchrl under test carries the first patch of the upstream series
+# (upstream/, run by scripts/test_upstream.sh): GRPOLoss then counts its clip fraction
+# over a mask, reads ragged advantages left-padded and returns a 0-dim prompt_mean.
+UPSTREAM_FIXES = "mask" in inspect.signature(GRPOLoss._compute_policy_objective).parameters
 VOCAB = 11
 PAD = 0
 MASK_KEYS = {

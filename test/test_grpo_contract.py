@@ -7,6 +7,11 @@
 GSPOLoss owns its forward and orchestrates GRPOLoss' helpers. Each test below pins
 one helper's signature and its behaviour on a tiny batch, against a formula written
 out here, so that the day TorchRL changes one, the failing test names it.
+
+Two contracts change on purpose with the upstream series' first patch (upstream/,
+``UPSTREAM_FIXES``): ``_compute_policy_objective`` takes a ``mask`` and counts its
+clip fraction over it, and ``_aggregate_loss_value`` returns a 0-dim
+``prompt_mean``. Each test pins the contract of the torchrl it runs on.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import math
 
 import pytest
 import torch
-from gspo_testing import BigramActor, dense_batch, lazy_batch, make_rows, padded
+from gspo_testing import UPSTREAM_FIXES, BigramActor, dense_batch, lazy_batch, make_rows, padded
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 from torchrl.objectives.common import LossModule
 from torchrl.objectives.llm import GRPOLoss
@@ -65,7 +70,8 @@ def test_clip_bounds():
 
 def test_compute_policy_objective():
     """(log_weight, advantage) -> (-min(r A, clip(r) A), clip fraction), broadcasting."""
-    assert parameters(GRPOLoss._compute_policy_objective) == ["self", "log_weight", "advantage"]
+    arguments = ["self", "log_weight", "advantage"] + (["mask"] if UPSTREAM_FIXES else [])
+    assert parameters(GRPOLoss._compute_policy_objective) == arguments
     loss_fn = GRPOLoss(BigramActor(), clip_epsilon=(0.1, 0.2))
     log_weight = torch.tensor([-0.5, -0.05, 0.0, 0.1, 0.5], dtype=torch.float64).reshape(5, 1, 1)
     advantage = torch.tensor([1.0, -1.0, 2.0, 1.0, -0.5], dtype=torch.float64).reshape(5, 1, 1)
@@ -77,6 +83,10 @@ def test_compute_policy_objective():
     close(clip_fraction, torch.tensor(0.4, dtype=torch.float64))
     tokens, _ = loss_fn._compute_policy_objective(log_weight.expand(5, 3, 1), advantage)
     assert tokens.shape == (5, 3, 1)  # a [B, 1, 1] advantage broadcasts over tokens
+    if UPSTREAM_FIXES:  # the clip fraction over a mask: 2 of its 3 tokens clip
+        mask = torch.tensor([True, False, False, True, True]).reshape(5, 1)
+        _, clip_fraction = loss_fn._compute_policy_objective(log_weight, advantage, mask=mask)
+        close(clip_fraction, torch.tensor(2 / 3, dtype=torch.float64))
 
 
 def test_get_entropy(tiny):
@@ -129,9 +139,10 @@ def test_aggregate_loss_value(tiny, aggregation):
     loss_fn = GRPOLoss(actor, aggregation=aggregation)
     out = loss_fn._aggregate_loss_value(value, mask, tensordict=batch)
     masked = torch.where(mask, value.squeeze(-1), 0.0)
-    if aggregation == "prompt_mean":
-        assert out.shape == (1,)
-        close(out, (masked.sum(-1) / mask.sum(-1).clamp(min=1)).mean().reshape(1))
+    if aggregation == "prompt_mean":  # (1,) in 0.14, 0-dim with the upstream series
+        shape = () if UPSTREAM_FIXES else (1,)
+        assert out.shape == shape
+        close(out, (masked.sum(-1) / mask.sum(-1).clamp(min=1)).mean().reshape(shape))
     elif aggregation == "token_mean":
         assert out.shape == ()
         close(out, masked.sum() / mask.sum())
