@@ -29,14 +29,15 @@ if [ "$version" != "0.14.1" ]; then
 fi
 
 work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+trap 'rm -rf "$work"' EXIT  # kept when a step fails: see run
 run() {  # run LABEL COMMAND...: the command's output on failure, its last line on success
     local log="$work/$1.log"
     if "${@:2}" > "$log" 2>&1; then
         echo "$1: $(tail -n 1 "$log" | grep . || echo passed)"
     else
         tail -n 60 "$log"
-        echo "$1: FAILED"
+        echo "$1: FAILED (the whole log: $log)"
+        trap - EXIT
         exit 1
     fi
 }
@@ -48,6 +49,8 @@ patched() {  # patched NAME N: the installed torchrl in $work/NAME with the firs
         (cd "$work/$1" && git apply --include='torchrl/*' "$patch")
     done
     PYTHONPATH="$work/$1" python -c "import torchrl; assert torchrl.__file__.startswith('$work/$1/')"
+    # git apply skips paths silently inside another git work tree: check the result
+    grep -q "def _clip_fraction" "$work/$1/torchrl/objectives/llm/grpo.py"
 }
 patched patch1 1
 patched series "${#patches[@]}"
@@ -60,7 +63,7 @@ run "core, contract and equivalence tests on the series" \
     test/test_grpo_contract.py upstream/checks/test_equivalence.py
 
 outputs=upstream/checks/grpo_outputs.py
-run "GRPOLoss outputs, release" python "$outputs" dump "$work/stock.pt"
+run "GRPOLoss outputs, release" env -u PYTHONPATH python "$outputs" dump "$work/stock.pt"
 run "GRPOLoss outputs, first patch" env PYTHONPATH="$work/patch1" python "$outputs" dump "$work/patch1.pt"
 run "GRPOLoss outputs, series" env PYTHONPATH="$series" python "$outputs" dump "$work/series.pt"
 run "GRPOLoss outputs compared" python "$outputs" compare "$work/stock.pt" "$work/patch1.pt" "$work/series.pt"
@@ -87,7 +90,8 @@ lint() {  # lint DIR FILE...: every pinned linter on FILEs, with the settings fo
             if [[ $file == torchrl/* ]]; then
                 "$bin/pydocstyle" --config=setup.cfg "$file" || exit 1
             fi
-            cp "$file" "$work/pyupgrade.py" && "$bin/pyupgrade" --py311-plus "$work/pyupgrade.py" ||
+            cp "$file" "$work/pyupgrade.py" || exit 1
+            "$bin/pyupgrade" --py311-plus "$work/pyupgrade.py" ||
                 { echo "pyupgrade --py311-plus would rewrite $file"; exit 1; }
         done
     ) || return 1
