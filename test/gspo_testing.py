@@ -225,6 +225,24 @@ def dense_batch(rows, width: int | None = None, advantage_per_token: bool = Fals
     )
 
 
+def ragged_batch(rows, layout: str, per_token: bool, seed: int) -> TensorDictBase:
+    """The rows, ``"dense"`` or ``"lazy"``; with ``per_token``, each row's advantage is
+    replaced by random per-token values (in place), left-padded by hand in the dense
+    layout so that nothing is padded on read."""
+    if per_token:
+        gen = torch.Generator().manual_seed(seed)
+        for row in rows:
+            n = row["tokens"].shape[0]
+            row["advantage"] = torch.randn(n, 1, generator=gen, dtype=torch.float64)
+    if layout == "lazy":  # each row holds its own advantage, [1, 1] or [n, 1]
+        return lazy_batch(rows)
+    if not per_token:
+        return dense_batch(rows)
+    data = dense_batch([{**row, "advantage": torch.zeros(1, 1)} for row in rows])
+    data["advantage"] = left_pad([row["advantage"] for row in rows], 0.0)
+    return data
+
+
 def padded(rows, name: str, value) -> torch.Tensor:
     return left_pad([r[name] for r in rows], value)
 

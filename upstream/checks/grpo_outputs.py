@@ -55,24 +55,14 @@ def batches() -> dict:
     that GRPO's 0.2 clips; per sequence or per token advantages, dense or lazy; and
     the rows' token log-ratios on the valid tokens, for the clip counts."""
     # imported here, as torchrl below: `compare` imports no torchrl
-    from gspo_testing import BigramActor, dense_batch, lazy_batch, left_pad, make_rows, padded
+    from gspo_testing import BigramActor, make_rows, padded, ragged_batch
 
     out = {}
     for name in BATCHES:
         actor = BigramActor(seed=0)
         rows = make_rows(SHAPES, seed=0, actor=actor, noise=0.3)
-        if name.endswith("tokens"):
-            gen = torch.Generator().manual_seed(1)
-            for row in rows:
-                n = row["tokens"].shape[0]
-                row["advantage"] = torch.randn(n, 1, generator=gen, dtype=torch.float64)
-        if name.startswith("lazy"):
-            data = lazy_batch(rows)
-        elif name.endswith("tokens"):  # left-padded by hand: nothing is padded on read
-            data = dense_batch([{**row, "advantage": torch.zeros(1, 1)} for row in rows])
-            data["advantage"] = left_pad([row["advantage"] for row in rows], 0.0)
-        else:
-            data = dense_batch(rows)
+        layout = "lazy" if name.startswith("lazy") else "dense"
+        data = ragged_batch(rows, layout, per_token=name.endswith("tokens"), seed=1)
         old = padded(rows, "old", 0.0)
         valid = padded(rows, "response", False) & old.isfinite()
         with torch.no_grad():

@@ -29,12 +29,10 @@ import pytest
 import torch
 from gspo_testing import (
     BigramActor,
-    dense_batch,
-    lazy_batch,
-    left_pad,
     make_rows,
     oracle_sequence_log_ratio,
     padded,
+    ragged_batch,
 )
 from torchrl.objectives.llm import GSPOLoss as UpstreamGSPOLoss
 from torchrl.objectives.llm import GSPOTokenLoss as UpstreamGSPOTokenLoss
@@ -52,22 +50,6 @@ def bound_error() -> float:
     exact = (math.log1p(-EPS[0]), math.log1p(EPS[1]))
     rounded = (torch.tensor(-EPS[0]).log1p().item(), torch.tensor(EPS[1]).log1p().item())
     return max(abs(a - b) for a, b in zip(exact, rounded, strict=True))
-
-
-def batch_of(rows, layout: str, per_token: bool, seed: int):
-    """The rows, dense or lazy; per-token advantages vary across each row's tokens."""
-    if per_token:
-        gen = torch.Generator().manual_seed(seed)
-        for row in rows:
-            n = row["tokens"].shape[0]
-            row["advantage"] = torch.randn(n, 1, generator=gen, dtype=torch.float64)
-    if layout == "lazy":  # each row holds its own advantage, [1, 1] or [n, 1]
-        return lazy_batch(rows)
-    if not per_token:
-        return dense_batch(rows)
-    data = dense_batch([{**row, "advantage": torch.zeros(1, 1)} for row in rows])
-    data["advantage"] = left_pad([row["advantage"] for row in rows], 0.0)
-    return data
 
 
 def sequence_log_ratios(actor, rows) -> torch.Tensor:
@@ -107,7 +89,7 @@ def test_series_equals_the_package(ours, theirs, per_token, layout, aggregation,
     with holes, an empty row and NaN prompt log-probabilities."""
     actor = BigramActor(seed=seed)
     rows = make_rows(SHAPES, seed=seed, actor=actor, noise=8e-4, holes=True, nan_prompt=True)
-    data = batch_of(rows, layout, per_token, seed)
+    data = ragged_batch(rows, layout, per_token, seed)
     expected, expected_grad = run(ours, actor, data, aggregation)
     actual, actual_grad = run(theirs, actor, data, aggregation)
 
