@@ -57,6 +57,13 @@ RUNS = {
     "gspo-recomputed": ("gspo", "old_log_probs"),
     "gspo-corrected": ("gspo", "old_log_probs"),
 }
+CORRECTIONS = (
+    "mask-geometric",
+    "truncate-geometric",
+    "mask-sequence",
+    "truncate-sequence",
+    "masked_is-sequence",
+)
 CLIP = (3e-4, 4e-4)  # GSPO's clip range: log-ratios outside (log(1-3e-4), log(1+4e-4)) clip
 
 
@@ -212,7 +219,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--correction",
         default="mask-geometric",
-        choices=["mask-geometric", "truncate-geometric", "mask-sequence", "truncate-sequence"],
+        choices=CORRECTIONS,
         help="rollout correction of the gspo-corrected run (default thresholds)",
     )
     return gspo_toy.parse_runs(parser, RUNS, argv, steps=70, out="outputs/engine_mismatch")

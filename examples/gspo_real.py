@@ -34,7 +34,8 @@ model" says why each is needed):
 ``--engine`` samples with a bfloat16 copy of the float32 model, an inference engine
 (as ``engine_mismatch.py`` does on the toy): ``engine`` uses its log-probs as the old
 policy, ``recomputed`` the trainer's (recomputed before the first minibatch), and
-``corrected`` these with the sequence-level rollout correction.
+``corrected`` these with the rollout correction ``--correction`` (by default TRL's:
+the product ratio weighs each response, masked above 3).
 ``--train-layers K`` trains only the last K transformer layers, the final norm and an
 untied output head (about a third faster a step).
 
@@ -80,10 +81,10 @@ HELDOUT = 256  # held-out problems, drawn once with HELDOUT_SEED
 HELDOUT_SEED = 2025
 PAD = "<|endoftext|>"  # the pad token: never sampled, unlike <|im_end|>
 ENGINES = {
-    # --engine: (where the trainer's recomputed log-probs go, rollout correction)
-    "engine": ("trainer_log_probs", None),
-    "recomputed": ("old_log_probs", None),
-    "corrected": ("old_log_probs", "mask-geometric"),
+    # --engine: (where the trainer's recomputed log-probs go, rollout correction applied)
+    "engine": ("trainer_log_probs", False),
+    "recomputed": ("old_log_probs", False),
+    "corrected": ("old_log_probs", True),
 }
 
 
@@ -298,25 +299,25 @@ def run_name(args: argparse.Namespace) -> str:
     return args.loss if args.engine == "none" else f"{args.loss}-{args.engine}"
 
 
+def engine_setup(args: argparse.Namespace) -> dict:
+    """``build_pipeline``'s engine arguments for ``--engine`` and ``--correction``."""
+    if args.engine == "none":
+        return {}
+    trainer_key, corrected = ENGINES[args.engine]
+    loss_kwargs = {}
+    if corrected:
+        mode, form = args.correction.split("-")
+        loss_kwargs = {"rollout_correction": mode, "rollout_correction_form": form}
+    return {"engine_dtype": torch.bfloat16, "trainer_key": trainer_key, "loss_kwargs": loss_kwargs}
+
+
 def train(args: argparse.Namespace) -> dict:
     """One run: held-out accuracy before, ``--steps`` steps, held-out accuracy after."""
     start = time.perf_counter()
     task = real_task(args)
     load_seconds = time.perf_counter() - start
-    engine_dtype, trainer_key, loss_kwargs = None, "old_log_probs", {}
-    if args.engine != "none":
-        engine_dtype, (trainer_key, correction) = torch.bfloat16, ENGINES[args.engine]
-        if correction is not None:
-            mode, form = correction.split("-")
-            loss_kwargs = {"rollout_correction": mode, "rollout_correction_form": form}
-    pipeline = gspo_toy.build_pipeline(
-        args.loss,
-        args,
-        engine_dtype=engine_dtype,
-        trainer_key=trainer_key,
-        loss_kwargs=loss_kwargs,
-        task=task,
-    )
+    setup = engine_setup(args)
+    pipeline = gspo_toy.build_pipeline(args.loss, args, task=task, **setup)
     heldout = problems()[1][: args.heldout]
 
     def evaluate() -> list[int]:
@@ -332,7 +333,7 @@ def train(args: argparse.Namespace) -> dict:
             args.loss,
             file,
             bar,
-            trainer_key=trainer_key,
+            trainer_key=setup.get("trainer_key", "old_log_probs"),
             evaluate=evaluate,
             eval_every=args.eval_every,
             engine=args.engine != "none",
@@ -418,6 +419,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["none", *ENGINES],
         default="none",
         help="sample with a bfloat16 engine; which log-probs are the old policy's",
+    )
+    parser.add_argument(
+        "--correction",
+        default="masked_is-sequence",
+        choices=engine_mismatch.CORRECTIONS,
+        help="the rollout correction of --engine corrected (its default thresholds)",
     )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)

@@ -161,8 +161,15 @@ EXPERIMENTS = {
     "real-engine": Experiment(
         "SmolLM2-135M-Instruct, bfloat16 engine: its old log-probs, recomputed, corrected",
         {
-            f"gspo-{engine}": _real("gspo", "--engine", engine, "--steps", "30")
-            for engine in ("engine", "recomputed", "corrected")
+            # TRL's default correction: the product ratio weighs each response, masked
+            # above 3. verl's geometric band (0.999, 1.001) masks 94 to 100% of this
+            # engine's responses (VALIDATION's probes)
+            f"gspo-{engine}": _real("gspo", "--engine", engine, *extra, "--steps", "30")
+            for engine, extra in (
+                ("engine", ()),
+                ("recomputed", ()),
+                ("corrected", ("--correction", "masked_is-sequence")),
+            )
         },
         REAL_ENGINE_METRICS,
         (("gspo-engine", "gspo-recomputed"), ("gspo-corrected", "gspo-recomputed")),

