@@ -300,9 +300,10 @@ def run_name(args: argparse.Namespace) -> str:
 
 
 def engine_setup(args: argparse.Namespace) -> dict:
-    """``build_pipeline``'s engine arguments for ``--engine`` and ``--correction``."""
+    """``build_pipeline``'s ``engine_dtype``, ``trainer_key`` and ``loss_kwargs`` for
+    ``--engine`` and ``--correction``."""
     if args.engine == "none":
-        return {}
+        return {"engine_dtype": None, "trainer_key": "old_log_probs", "loss_kwargs": {}}
     trainer_key, corrected = ENGINES[args.engine]
     loss_kwargs = {}
     if corrected:
@@ -333,7 +334,7 @@ def train(args: argparse.Namespace) -> dict:
             args.loss,
             file,
             bar,
-            trainer_key=setup.get("trainer_key", "old_log_probs"),
+            trainer_key=setup["trainer_key"],
             evaluate=evaluate,
             eval_every=args.eval_every,
             engine=args.engine != "none",
@@ -424,7 +425,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--correction",
         default="masked_is-sequence",
         choices=engine_mismatch.CORRECTIONS,
-        help="the rollout correction of --engine corrected (its default thresholds)",
+        help="the rollout correction, with --engine corrected only (its default thresholds)",
     )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
