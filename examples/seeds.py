@@ -123,8 +123,11 @@ REAL_SMOKE += ("--heldout", "8", "--max-new-tokens", "12")
 REAL_ENGINE_METRICS = (*REAL_METRICS, "log_rho_mean_abs", "correction_fraction_mean")
 
 
-def _real(loss: str, *args: str) -> Config:
-    return Config("gspo_real", loss, ("--loss", loss, "--lr", REAL_LR, *args))
+def _real(loss: str, *args: str, engine: str | None = None) -> Config:
+    """A ``gspo_real.py`` run, named as the script names its outputs."""
+    engine_args = ("--engine", engine) if engine else ()
+    name = f"{loss}-{engine}" if engine else loss
+    return Config("gspo_real", name, ("--loss", loss, "--lr", REAL_LR, *engine_args, *args))
 
 
 def _toy(loss: str, *args: str) -> Config:
@@ -164,7 +167,7 @@ EXPERIMENTS = {
             # TRL's default correction: the product ratio weighs each response, masked
             # above 3. verl's geometric band (0.999, 1.001) masks 94 to 100% of this
             # engine's responses (VALIDATION's probes)
-            f"gspo-{engine}": _real("gspo", "--engine", engine, *extra, "--steps", "30")
+            f"gspo-{engine}": _real("gspo", *extra, "--steps", "30", engine=engine)
             for engine, extra in (
                 ("engine", ()),
                 ("recomputed", ()),
@@ -311,36 +314,43 @@ def environment() -> dict:
     }
 
 
+def run_args(config: Config, seed: int, run_dir: Path) -> list[str]:
+    """The script's arguments for one (configuration, seed)."""
+    return [*config.args, "--seed", str(seed), "--out", str(run_dir), "--no-progress"]
+
+
 def run_one(name: str, config: Config, seed: int, out: Path) -> dict:
     """Runs one (configuration, seed) in its own process; returns its record."""
     run_dir = out / "runs" / name / f"seed{seed}"
-    command = [
-        sys.executable,
-        str(EXAMPLES / f"{config.script}.py"),
-        *config.args,
-        "--seed",
-        str(seed),
-        "--out",
-        str(run_dir),
-        "--no-progress",
-    ]
+    script = str(EXAMPLES / f"{config.script}.py")
     done = subprocess.run(
-        command, env={**os.environ, **THREADS}, capture_output=True, text=True, check=False
+        [sys.executable, script, *run_args(config, seed, run_dir)],
+        env={**os.environ, **THREADS},
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if done.returncode:
         raise RuntimeError(f"{name} seed {seed} failed:\n{done.stderr[-3000:]}")
+    return read_run(name, config, seed, out)
+
+
+def read_run(name: str, config: Config, seed: int, out: Path) -> dict:
+    """The record of a finished run, read from its folder."""
+    run_dir = out / "runs" / name / f"seed{seed}"
     summary = json.loads((run_dir / "summary.json").read_text())[config.run]
     records = [json.loads(line) for line in (run_dir / f"metrics_{config.run}.jsonl").open()]
     curve = [r["reward"] for r in records]
     summary["reward_gain"] = summary["reward_last_10pct"] - summary["reward_first_10pct"]
     summary["reward_auc"] = statistics.fmean(curve)
+    command = ["python", f"examples/{config.script}.py", *run_args(config, seed, run_dir)]
     return {
         "config": name,
         "seed": seed,
         "summary": summary,
         "curve": curve,
         "args": [config.script, *config.args],
-        "command": " ".join(["python", f"examples/{config.script}.py", *command[2:]]),
+        "command": " ".join(command),
     }
 
 

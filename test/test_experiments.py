@@ -143,6 +143,22 @@ def test_the_runner_records_the_machine_and_resumes(tmp_path, capsys):
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 4
 
 
+def test_each_real_configuration_reads_the_run_its_script_writes():
+    """The runner reads ``summary.json[config.run]`` and ``metrics_<run>.jsonl``: the
+    names ``gspo_real.py`` gives the outputs of those arguments (with an engine, the
+    loss and the engine)."""
+    gspo_real = example("gspo_real")
+    configs = [
+        config
+        for experiment in seeds.EXPERIMENTS.values()
+        for config in experiment.configs.values()
+        if config.script == "gspo_real"
+    ]
+    assert any("--engine" in config.args for config in configs)
+    for config in configs:
+        assert config.run == gspo_real.run_name(gspo_real.parse_args(list(config.args)))
+
+
 def test_demonstrations_use_the_prompts_the_pipeline_renders():
     """The warm start's prompts are, token for token, what TorchRL's ChatEnv and
     generation wrapper feed the model; the responses end with the end of turn."""
