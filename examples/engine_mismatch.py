@@ -67,6 +67,12 @@ CORRECTIONS = (
 CLIP = (3e-4, 4e-4)  # GSPO's clip range: log-ratios outside (log(1-3e-4), log(1+4e-4)) clip
 
 
+def correction_kwargs(correction: str) -> dict:
+    """``GSPOLoss``' arguments for a ``--correction`` choice, ``"<mode>-<form>"``."""
+    mode, form = correction.split("-")
+    return {"rollout_correction": mode, "rollout_correction_form": form}
+
+
 def response_log_ratios(current: list, engine: list, responses: list) -> list[float]:
     """log rho_i per non-empty response: the mean over its tokens of current - engine."""
     return [
@@ -120,10 +126,7 @@ class MismatchMetrics(gspo_toy.StepMetrics):
 
 def train(name: str, args: argparse.Namespace) -> list[dict]:
     loss_name, trainer_key = RUNS[name]
-    loss_kwargs = {}
-    if name == "gspo-corrected":
-        correction, form = args.correction.split("-")
-        loss_kwargs = {"rollout_correction": correction, "rollout_correction_form": form}
+    loss_kwargs = correction_kwargs(args.correction) if name == "gspo-corrected" else {}
     pipeline = gspo_toy.build_pipeline(
         loss_name,
         args,

@@ -305,10 +305,7 @@ def engine_setup(args: argparse.Namespace) -> dict:
     if args.engine == "none":
         return {"engine_dtype": None, "trainer_key": "old_log_probs", "loss_kwargs": {}}
     trainer_key, corrected = ENGINES[args.engine]
-    loss_kwargs = {}
-    if corrected:
-        mode, form = args.correction.split("-")
-        loss_kwargs = {"rollout_correction": mode, "rollout_correction_form": form}
+    loss_kwargs = engine_mismatch.correction_kwargs(args.correction) if corrected else {}
     return {"engine_dtype": torch.bfloat16, "trainer_key": trainer_key, "loss_kwargs": loss_kwargs}
 
 
