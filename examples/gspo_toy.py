@@ -82,6 +82,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import gc
 import json
 import os
 import random
@@ -770,5 +771,8 @@ def main(argv: list[str] | None = None) -> dict:
 if __name__ == "__main__":
     main()
     if dist.is_initialized():  # under torchrun: leave the process group together
+        # The trainer's hooks hold the DDP wrapper in reference cycles: free it while the group
+        # lives, not at interpreter exit, where its gloo work aborts the process (SIGABRT).
+        gc.collect()
         dist.barrier()  # rank 0 plots while the others are done: wait for it
         dist.destroy_process_group()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import gc
 import math
 import os
 from pathlib import Path
@@ -244,4 +245,5 @@ def worker(rank: int, world: int, port: int, directory: str) -> None:
             results["qwen_untied_fsdp_stepper"] = _qwen_fsdp_stepper(spec, rank)
         torch.save(results, path / f"rank{rank}.pt")
     finally:
+        gc.collect()  # DDP wrappers left in reference cycles go while the group lives
         dist.destroy_process_group()
