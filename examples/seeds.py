@@ -22,8 +22,9 @@ The aggregate, printed as tables and written to ``aggregate.json``:
 - ``curves.png``: the mean reward per step of each configuration, with its 95% band.
 
 Derived per seed: ``reward_gain`` (last 10% of steps minus first 10%, the run's own
-paired difference) and ``reward_auc`` (the mean reward over all steps: the area under
-the reward-against-samples curve, per sample).
+paired difference), ``reward_auc`` (the mean reward over all steps: the area under
+the reward-against-samples curve, per sample) and ``reward_zero_fraction`` (the share
+of steps whose batch's mean reward is 0: no reward variance, no step).
 
 Usage::
 
@@ -117,6 +118,7 @@ REAL_METRICS = (
     "heldout_accuracy_before",
     "heldout_accuracy_after",
     "heldout_accuracy_gain",
+    "reward_zero_fraction",
 )
 REAL_SMOKE = ("--steps", "1", "--prompts", "1", "--group-size", "4", "--minibatches", "2")
 REAL_SMOKE += ("--heldout", "8", "--max-new-tokens", "12")
@@ -237,38 +239,84 @@ EXPERIMENTS = {
 }
 
 
-def t_quantile(p: float, df: int) -> float:
-    """The ``p`` quantile (``p > 0.5``) of Student's t with ``df`` degrees of freedom.
+def _t_log_norm(df: int) -> float:
+    return math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
 
-    By bisection on the distribution function, whose density is integrated with
-    Simpson's rule (2000 intervals): no SciPy needed.
+
+def t_cdf(t: float, df: int, intervals: int = 2000) -> float:
+    """Student's t distribution function with ``df`` degrees of freedom at ``t``.
+
+    Its density integrated from 0 with Simpson's rule (``intervals`` intervals), the
+    distribution being symmetric about 0: no SciPy needed.
     """
-    log_norm = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    log_norm = _t_log_norm(df)
 
     def density(x: float) -> float:
         return math.exp(log_norm - (df + 1) / 2 * math.log1p(x * x / df))
 
-    def cdf(t: float, n: int = 2000) -> float:
-        h = t / n
-        inner = sum((4 if i % 2 else 2) * density(i * h) for i in range(1, n))
-        return 0.5 + h / 3 * (density(0.0) + inner + density(t))
+    x, h = abs(t), abs(t) / intervals
+    inner = sum((4 if i % 2 else 2) * density(i * h) for i in range(1, intervals))
+    half = h / 3 * (density(0.0) + inner + density(x))
+    return 0.5 + math.copysign(min(half, 0.5), t)
 
+
+def t_quantile(p: float, df: int) -> float:
+    """The ``p`` quantile (``p > 0.5``) of Student's t with ``df`` degrees of freedom,
+    by bisection on :func:`t_cdf`."""
     low, high = 0.0, 1.0
-    while cdf(high) < p:
+    while t_cdf(high, df) < p:
         low, high = high, 2 * high
     for _ in range(60):
         mid = (low + high) / 2
-        low, high = (mid, high) if cdf(mid) < p else (low, mid)
+        low, high = (mid, high) if t_cdf(mid, df) < p else (low, mid)
     return (low + high) / 2
 
 
 def interval(values: list[float]) -> dict:
-    """Mean and 95% t-interval of ``values`` (``None`` bounds with fewer than 2)."""
+    """Mean and 95% t-interval of ``values`` (``None`` bounds with fewer than 2), their
+    standard deviation, least and greatest value (the per-run range)."""
+    n, mean = len(values), statistics.fmean(values)
+    spread = {"min": min(values), "max": max(values)}
+    if n < 2:
+        return {"n": n, "mean": mean, "low": None, "high": None, "sd": None, **spread}
+    sd = statistics.stdev(values)
+    half = t_quantile(0.975, n - 1) * sd / math.sqrt(n)
+    return {"n": n, "mean": mean, "low": mean - half, "high": mean + half, "sd": sd, **spread}
+
+
+def t_test_p(values: list[float]) -> float | None:
+    """Two-sided p-value of the one-sample t-test of mean 0 (``None`` below 2 values;
+    1 when every value is 0, 0 when they are equal and not 0)."""
     n, mean = len(values), statistics.fmean(values)
     if n < 2:
-        return {"n": n, "mean": mean, "low": None, "high": None}
-    half = t_quantile(0.975, n - 1) * statistics.stdev(values) / math.sqrt(n)
-    return {"n": n, "mean": mean, "low": mean - half, "high": mean + half}
+        return None
+    sd = statistics.stdev(values)
+    if sd == 0:
+        return 1.0 if mean == 0 else 0.0
+    return 2 * (1 - t_cdf(abs(mean) / (sd / math.sqrt(n)), n - 1))
+
+
+def sign_test(values: list[float]) -> dict:
+    """Counts of positive, zero and negative values, and the exact two-sided p-value
+    of the sign test (zeros left out): ``min(1, 2 P(X <= k))`` for ``X`` binomial with
+    ``m`` trials (the non-zero values) and probability 1/2, ``k`` the smaller count."""
+    positive = sum(v > 0 for v in values)
+    negative = sum(v < 0 for v in values)
+    m, k = positive + negative, min(positive, negative)
+    tail = sum(math.comb(m, i) for i in range(k + 1)) / 2**m if m else 1.0
+    counts = {"positive": positive, "zero": len(values) - m, "negative": negative}
+    return {**counts, "p": min(1.0, 2 * tail)}
+
+
+def holm(p_values: dict[str, float]) -> dict[str, float]:
+    """Holm's step-down adjustment of a family of p-values: the i-th smallest of ``m``
+    becomes ``max_{j <= i} min(1, (m - j + 1) p_(j))``."""
+    order = sorted(p_values, key=p_values.__getitem__)
+    adjusted, running = {}, 0.0
+    for rank, name in enumerate(order):
+        running = max(running, min(1.0, (len(order) - rank) * p_values[name]))
+        adjusted[name] = running
+    return adjusted
 
 
 def environment() -> dict:
@@ -410,7 +458,13 @@ def run_all(experiment: Experiment, seeds: int, jobs: int, out: Path) -> list[di
 
 def aggregate(experiment: Experiment, records: list[dict]) -> dict:
     """Per configuration and metric, the mean and interval; per pair, paired differences."""
-    by = {(r["config"], r["seed"]): dict(r["summary"]) for r in records}
+    by = {
+        (r["config"], r["seed"]): {
+            **r["summary"],
+            "reward_zero_fraction": statistics.fmean(v == 0 for v in r["curve"]),
+        }
+        for r in records
+    }
     for summary in by.values():
         for name, (x, y) in experiment.differences:
             if summary.get(x) is not None and summary.get(y) is not None:
@@ -449,7 +503,10 @@ def paired(by: dict, seeds: list[int], a: str, b: str, metrics: set[str]) -> dic
         ]
         if not both:
             continue
-        stats = interval([by[a, s][metric] - by[b, s][metric] for s in both])
+        differences = [by[a, s][metric] - by[b, s][metric] for s in both]
+        stats = interval(differences)
+        stats["p"] = t_test_p(differences)
+        stats["signs"] = sign_test(differences)
         stats["distinguishable"] = stats["low"] is not None and (
             stats["low"] > 0 or stats["high"] < 0
         )
@@ -464,6 +521,11 @@ def _fmt(stats: dict) -> str:
     if stats["low"] is None:
         return f"{stats['mean']:.4g} (n={stats['n']})"
     return f"{stats['mean']:.4g} [{stats['low']:.4g}, {stats['high']:.4g}]"
+
+
+def _spread(stats: dict) -> str:
+    sd = "-" if stats["sd"] is None else f"{stats['sd']:.3g}"
+    return f"{sd}; {stats['min']:.4g} to {stats['max']:.4g}"
 
 
 def table(experiment: Experiment, result: dict) -> str:
@@ -481,20 +543,38 @@ def table(experiment: Experiment, result: dict) -> str:
         n = max((s["n"] for s in stats.values()), default=0)
         cells = [_fmt(stats[m]) if m in stats else "-" for m in metrics]
         lines.append(f"| {name} | {n} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "per-run spread (standard deviation; least to greatest value over the runs):",
+        "",
+        "| configuration | " + " | ".join(metrics) + " |",
+        "|---|" + "---|" * len(metrics),
+    ]
+    for name, stats in result["configs"].items():
+        cells = [_spread(stats[m]) if m in stats else "-" for m in metrics]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     for pair, stats in result["pairs"].items():
         lines += [
             "",
-            f"paired difference {pair} (by seed; 95% t-interval):",
+            f"paired difference {pair} (by seed; 95% t-interval; t-test p, unadjusted;"
+            " seeds with a > b / a = b / a < b and the sign test's p):",
             "",
-            "| metric | n | difference | distinguishable | ratio of means |",
-            "|---|---|---|---|---|",
+            "| metric | n | difference | distinguishable | ratio of means | p"
+            " | signs + / 0 / - | sign p |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for metric in metrics:
             if metric in stats:
                 s = stats[metric]
                 ratio = "undefined" if s["ratio_of_means"] is None else f"{s['ratio_of_means']:.3g}"
                 verdict = "yes" if s["distinguishable"] else "not distinguishable"
-                lines.append(f"| {metric} | {s['n']} | {_fmt(s)} | {verdict} | {ratio} |")
+                p = "-" if s["p"] is None else f"{s['p']:.3g}"
+                sign = s["signs"]
+                counts = f"{sign['positive']} / {sign['zero']} / {sign['negative']}"
+                lines.append(
+                    f"| {metric} | {s['n']} | {_fmt(s)} | {verdict} | {ratio} | {p} | {counts}"
+                    f" | {sign['p']:.3g} |"
+                )
     return "\n".join(lines)
 
 

@@ -39,6 +39,39 @@ def test_t_quantile_matches_closed_forms(p):
     assert seeds.t_quantile(p, 100_000) == pytest.approx(normal, rel=1e-4)
 
 
+@pytest.mark.parametrize("t", [-3.0, -0.4, 0.0, 0.7, 2.5, 12.0])
+def test_t_cdf_matches_closed_forms(t):
+    """df 1 (Cauchy) and df 2 have closed forms."""
+    assert seeds.t_cdf(t, 1) == pytest.approx(0.5 + math.atan(t) / math.pi, abs=1e-9)
+    assert seeds.t_cdf(t, 2) == pytest.approx(0.5 + t / (2 * math.sqrt(2 + t * t)), abs=1e-9)
+
+
+def test_t_test_p_is_twice_the_tail_of_the_t_statistic():
+    """Three values (df 2): p = 2 (1 - F(|mean| / (sd / sqrt 3))), F written out."""
+    values = [0.5, 0.5, 2.0]
+    t = statistics.fmean(values) / (statistics.stdev(values) / math.sqrt(3))
+    expected = 2 * (1 - (0.5 + t / (2 * math.sqrt(2 + t * t))))
+    assert seeds.t_test_p(values) == pytest.approx(expected, abs=1e-9)
+    assert seeds.t_test_p([1.0]) is None
+    assert seeds.t_test_p([0.0, 0.0]) == 1.0 and seeds.t_test_p([2.0, 2.0]) == 0.0
+
+
+def test_sign_test_counts_and_exact_binomial_p():
+    """7 positive, 1 zero, 1 negative: 8 trials, P(X <= 1) = (1 + 8) / 2^8, doubled."""
+    result = seeds.sign_test([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.0, -0.1])
+    assert (result["positive"], result["zero"], result["negative"]) == (7, 1, 1)
+    assert result["p"] == pytest.approx(2 * 9 / 256)
+    assert seeds.sign_test([1.0, -1.0])["p"] == 1.0  # capped at 1
+    assert seeds.sign_test([0.0])["p"] == 1.0  # no non-zero value
+
+
+def test_holm_adjusts_step_down_and_keeps_the_order():
+    """Sorted 0.01, 0.03, 0.04 over 3: 3 x 0.01, 2 x 0.03, then max(0.06, 1 x 0.04)."""
+    adjusted = seeds.holm({"a": 0.01, "b": 0.04, "c": 0.03})
+    assert adjusted == pytest.approx({"a": 0.03, "c": 0.06, "b": 0.06})
+    assert seeds.holm({"a": 0.6, "b": 0.9}) == pytest.approx({"a": 1.0, "b": 1.0})
+
+
 def _record(config, seed, **summary):
     return {"config": config, "seed": seed, "summary": summary, "curve": [0.0]}
 
