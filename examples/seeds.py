@@ -383,6 +383,11 @@ def run_one(name: str, config: Config, seed: int, out: Path) -> dict:
     return read_run(name, config, seed, out)
 
 
+def reward_zero_fraction(curve: list[float]) -> float:
+    """The share of steps whose batch's mean reward is 0 (no reward variance: no step)."""
+    return statistics.fmean(reward == 0 for reward in curve)
+
+
 def read_run(name: str, config: Config, seed: int, out: Path) -> dict:
     """The record of a finished run, read from its folder."""
     run_dir = out / "runs" / name / f"seed{seed}"
@@ -391,6 +396,7 @@ def read_run(name: str, config: Config, seed: int, out: Path) -> dict:
     curve = [r["reward"] for r in records]
     summary["reward_gain"] = summary["reward_last_10pct"] - summary["reward_first_10pct"]
     summary["reward_auc"] = statistics.fmean(curve)
+    summary["reward_zero_fraction"] = reward_zero_fraction(curve)
     command = ["python", f"examples/{config.script}.py", *run_args(config, seed, run_dir)]
     return {
         "config": name,
@@ -458,10 +464,11 @@ def run_all(experiment: Experiment, seeds: int, jobs: int, out: Path) -> list[di
 
 def aggregate(experiment: Experiment, records: list[dict]) -> dict:
     """Per configuration and metric, the mean and interval; per pair, paired differences."""
+    # records written before reward_zero_fraction was recorded get it from their curve
     by = {
         (r["config"], r["seed"]): {
+            "reward_zero_fraction": reward_zero_fraction(r["curve"]),
             **r["summary"],
-            "reward_zero_fraction": statistics.fmean(v == 0 for v in r["curve"]),
         }
         for r in records
     }
