@@ -4,11 +4,21 @@
 # LICENSE file in the root directory of this source tree.
 """GSPO on a real pretrained model, SmolLM2-135M-Instruct, through TorchRL, on a CPU.
 
-The task: 2-digit addition ("What is 37 + 48? Answer with just the number."), the
-problems generated in code. The 256 held-out problems are drawn once, with a fixed
-seed, from the 8100 pairs of 2-digit numbers, and the training problems from the other
-7844, with the run's seed. The reward is 1 when the answer the model writes is the sum
-(:func:`read_answer` reads its format, "37 + 48 = 85"), else 0.
+The tasks (``--task``), their problems generated in code:
+
+- ``addition`` (the default, the first experiments' task): "What is 37 + 48? Answer
+  with just the number.", the 8100 pairs of 2-digit numbers; 256 held out (the
+  validation set), drawn once with a fixed seed, the training problems the other 7844.
+  The base model's sampled reward is 0 in most batches.
+- ``smaller``, calibrated (VALIDATION.md, "7."): "Which is smaller, 37 or 48? Answer
+  with just the number.", the 8010 pairs of distinct 2-digit numbers; a validation set
+  of 256, a test set of 256 (``--eval-set test``) and 7498 training problems.
+
+The training problems are drawn with the run's seed. The reward is 1 when the answer
+the model writes (:func:`read_answer` reads its format, "37 + 48 = 85") is the task's,
+else 0. ``--calibrate N`` trains nothing: it prints the base model's sampled accuracy
+on N training problems with the run's sampler and the share of groups whose rewards
+vary.
 
 The pipeline is ``gspo_toy.py``'s, TorchRL's GRPO recipe (``ChatEnv`` in history mode ->
 ``LLMCollector`` -> ``ReplayBuffer`` with ``MCAdvantage`` -> ``GRPOTrainer``, 4
@@ -45,6 +55,7 @@ Usage::
     python examples/gspo_real.py                          # GSPO, 30 steps, ~9 min
     python examples/gspo_real.py --loss grpo --steps 60 --out outputs/real-grpo
     python examples/gspo_real.py --engine corrected --train-layers 4
+    python examples/gspo_real.py --task smaller --calibrate 256     # no training
 
 Outputs in ``--out`` (default ``outputs/gspo_real``): ``metrics_<run>.jsonl`` (one line
 per step: reward, clip fraction per minibatch, held-out accuracy every
@@ -58,17 +69,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import operator
 import random
 import re
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import engine_mismatch
 import gspo_toy
 import smollm2
 import torch
+from seeds import interval
 from tensordict import TensorDictBase
 from torch.utils.data import DataLoader, IterableDataset
 from torchrl.data import Composite, Unbounded
@@ -77,8 +92,8 @@ from torchrl.envs.llm import ChatEnv
 from tqdm import tqdm
 
 PROMPT = "What is {} + {}? Answer with just the number."
-HELDOUT = 256  # held-out problems, drawn once with HELDOUT_SEED
-HELDOUT_SEED = 2025
+HELDOUT = 256  # validation problems (and test problems where a task has them)
+HELDOUT_SEED = 2025  # the one draw that splits every task's problems
 PAD = "<|endoftext|>"  # the pad token: never sampled, unlike <|im_end|>
 ENGINES = {
     # --engine: (where the trainer's recomputed log-probs go, rollout correction applied)
@@ -88,18 +103,59 @@ ENGINES = {
 }
 
 
-def problems() -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """``(training, held_out)``: all pairs of 2-digit numbers, split once, disjoint."""
-    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+@dataclass(frozen=True)
+class TwoNumberTask:
+    """A task on two integers: its prompt, its answer and all its problems.
+
+    ``test`` is the size of its test set (0: the task has none, only validation).
+    """
+
+    prompt: str
+    answer: Callable[[int, int], int]
+    pairs: tuple[tuple[int, int], ...]
+    test: int
+
+
+TWO_DIGITS = range(10, 100)
+TASKS = {
+    # the first experiments' task: the base model's sampled reward is 0 in most batches
+    "addition": TwoNumberTask(
+        PROMPT, operator.add, tuple((a, b) for a in TWO_DIGITS for b in TWO_DIGITS), test=0
+    ),
+    # calibrated (VALIDATION.md): sampled accuracy 0.25 to 0.6 at step 0
+    "smaller": TwoNumberTask(
+        "Which is smaller, {} or {}? Answer with just the number.",
+        min,
+        tuple((a, b) for a in TWO_DIGITS for b in TWO_DIGITS if a != b),
+        test=HELDOUT,
+    ),
+}
+
+
+class Splits(NamedTuple):
+    """A task's problems, split once with :data:`HELDOUT_SEED`, pairwise disjoint."""
+
+    train: list[tuple[int, int]]
+    validation: list[tuple[int, int]]
+    test: list[tuple[int, int]]
+
+
+def problems(task: str = "addition") -> Splits:
+    """The task's training, validation and test problems: the first :data:`HELDOUT`
+    of one fixed shuffle are the validation set, the next ``test`` the test set, the
+    rest the training problems (the addition task's split of the first experiments)."""
+    pairs = list(TASKS[task].pairs)
     random.Random(HELDOUT_SEED).shuffle(pairs)
-    return pairs[HELDOUT:], pairs[:HELDOUT]
+    test_end = HELDOUT + TASKS[task].test
+    return Splits(pairs[test_end:], pairs[:HELDOUT], pairs[HELDOUT:test_end])
 
 
-def parse_problem(prompt: str) -> tuple[int, int]:
-    """The two operands of a prompt written with :data:`PROMPT`."""
-    match = re.match(r"What is (\d+) \+ (\d+)\?", prompt)
+def parse_problem(prompt: str, task: str = "addition") -> tuple[int, int]:
+    """The two operands of a prompt written with the task's template."""
+    pattern = re.escape(TASKS[task].prompt).replace(re.escape("{}"), r"(\d+)")
+    match = re.match(pattern, prompt)
     if match is None:
-        raise ValueError(f"not an addition prompt: {prompt!r}")
+        raise ValueError(f"not a prompt of the task {task!r} ({TASKS[task].prompt!r}): {prompt!r}")
     return int(match[1]), int(match[2])
 
 
@@ -117,36 +173,36 @@ def read_answer(text: str) -> int | None:
     return int(digits) if digits.lstrip("-") else None
 
 
-def reward(prompt: str, response: str) -> float:
-    """1.0 when the response's answer is the sum of the prompt's operands, else 0.0."""
-    a, b = parse_problem(prompt)
-    return float(read_answer(response) == a + b)
+def reward(prompt: str, response: str, task: str = "addition") -> float:
+    """1.0 when the response's answer is the task's answer to the prompt, else 0.0."""
+    return float(read_answer(response) == TASKS[task].answer(*parse_problem(prompt, task)))
 
 
-class AdditionPrompts(IterableDataset):
-    """An endless, seeded stream of training prompts: ``{"query": prompt}``."""
+class TaskPrompts(IterableDataset):
+    """An endless, seeded stream of the task's training prompts: ``{"query": prompt}``."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, task: str) -> None:
         self.rng = random.Random(seed)
-        self.pairs = problems()[0]
+        self.template, self.pairs = TASKS[task].prompt, problems(task).train
 
     def __iter__(self) -> Iterator[dict[str, str]]:
         while True:
-            yield {"query": PROMPT.format(*self.rng.choice(self.pairs))}
+            yield {"query": self.template.format(*self.rng.choice(self.pairs))}
 
 
-class AdditionReward(Transform):
+class TaskReward(Transform):
     """The task's reward, read from the decoded sampled tokens ``("tokens", "response")``."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, task: str) -> None:
         super().__init__()
-        self.tokenizer = tokenizer
+        self.tokenizer, self.task = tokenizer, task
 
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
         responses = tensordict.get(("tokens", "response"), as_list=True)
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
         rewards = [
-            reward(query, text) for query, text in zip(tensordict["query"], texts, strict=True)
+            reward(query, text, self.task)
+            for query, text in zip(tensordict["query"], texts, strict=True)
         ]
         next_tensordict.set("reward", torch.tensor(rewards).reshape(-1, 1, 1))
         return next_tensordict
@@ -201,7 +257,9 @@ def train_last_layers(model: torch.nn.Module, layers: int) -> None:
 
 def make_env(args: argparse.Namespace, tokenizer, seed: int) -> EnvBase:
     """``--prompts`` problems per batch, each ``--group-size`` times, one turn each."""
-    dataloader = DataLoader(AdditionPrompts(seed), batch_size=1, collate_fn=gspo_toy._collate)
+    dataloader = DataLoader(
+        TaskPrompts(seed, args.task), batch_size=1, collate_fn=gspo_toy._collate
+    )
     env = ChatEnv.from_dataloader(
         dataloader,
         repeats=args.group_size,
@@ -211,7 +269,7 @@ def make_env(args: argparse.Namespace, tokenizer, seed: int) -> EnvBase:
     )
     env.append_transform(StepCounter(max_steps=1))
     env.append_transform(InitTracker())
-    env.append_transform(AdditionReward(tokenizer))
+    env.append_transform(TaskReward(tokenizer, args.task))
     return env
 
 
@@ -231,44 +289,90 @@ def real_task(args: argparse.Namespace) -> gspo_toy.Task:
     )
 
 
+def render(tokenizer, task: str, pairs: list[tuple[int, int]]) -> list[str]:
+    """The task's prompts for ``pairs``, rendered by the tokenizer's own template with
+    the model's system prompt (byte-identical to TorchRL's rendering, tested)."""
+    system, template = system_prompt(tokenizer), TASKS[task].prompt
+    return [
+        tokenizer.apply_chat_template(
+            [
+                {"role": "system", "content": system},
+                {"role": "user", "content": template.format(*pair)},
+            ],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        for pair in pairs
+    ]
+
+
 @torch.no_grad()
-def accuracy(model, tokenizer, pairs: list[tuple[int, int]], max_new_tokens: int) -> list[int]:
-    """Greedy answers to ``pairs``, 1 when right: the prompt rendered by the
-    tokenizer's own template (byte-identical to TorchRL's rendering, tested)."""
-    system = system_prompt(tokenizer)
+def answers(model, tokenizer, prompts: list[str], **generate_kwargs) -> list[int | None]:
+    """The answer :func:`read_answer` reads in the model's response to each prompt."""
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
-    right = []
     try:
-        for start in range(0, len(pairs), 64):
-            chunk = pairs[start : start + 64]
-            prompts = [
-                tokenizer.apply_chat_template(
-                    [
-                        {"role": "system", "content": system},
-                        {"role": "user", "content": PROMPT.format(*pair)},
-                    ],
-                    tokenize=False,
-                    add_generation_prompt=True,
-                )
-                for pair in chunk
-            ]
-            inputs = tokenizer(prompts, return_tensors="pt", padding=True)
-            out = model.generate(
-                **inputs, do_sample=False, max_new_tokens=max_new_tokens, top_k=None, top_p=None
-            )
-            texts = tokenizer.batch_decode(
-                out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True
-            )
-            right += [int(read_answer(t) == a + b) for t, (a, b) in zip(texts, chunk, strict=True)]
+        inputs = tokenizer(prompts, return_tensors="pt", padding=True)
+        out = model.generate(**inputs, **generate_kwargs)
     finally:
         tokenizer.padding_side = side
+    texts = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    return [read_answer(text) for text in texts]
+
+
+def accuracy(
+    model, tokenizer, task: str, pairs: list[tuple[int, int]], max_new_tokens: int
+) -> list[int]:
+    """Greedy answers to ``pairs``, 1 when right."""
+    greedy = {"do_sample": False, "max_new_tokens": max_new_tokens, "top_k": None, "top_p": None}
+    right = []
+    for start in range(0, len(pairs), 64):
+        chunk = pairs[start : start + 64]
+        found = answers(model, tokenizer, render(tokenizer, task, chunk), **greedy)
+        right += [int(x == TASKS[task].answer(*pair)) for x, pair in zip(found, chunk, strict=True)]
     return right
+
+
+def calibrate(args: argparse.Namespace) -> dict:
+    """The base model's sampled accuracy at step 0, with the run's sampler: ``--calibrate``
+    training problems drawn with the run's seed, ``--group-size`` responses each; the
+    share of groups whose rewards vary (the groups that take a step), and the greedy
+    accuracy on the evaluation set (the primary endpoint's starting point)."""
+    task = real_task(args)
+    pairs = random.Random(args.seed).sample(problems(args.task).train, args.calibrate)
+    groups = []
+    for start in range(0, len(pairs), 8):
+        chunk = pairs[start : start + 8]
+        prompts = [
+            p for p in render(task.tokenizer, args.task, chunk) for _ in range(args.group_size)
+        ]
+        found = answers(task.model, task.tokenizer, prompts, **task.generate_kwargs)
+        for i, pair in enumerate(chunk):
+            group = found[i * args.group_size : (i + 1) * args.group_size]
+            groups.append([int(x == TASKS[args.task].answer(*pair)) for x in group])
+    greedy = accuracy(
+        task.model, task.tokenizer, args.task, eval_problems(args), args.max_new_tokens
+    )
+    return {
+        "task": args.task,
+        "problems": {name: len(split) for name, split in problems(args.task)._asdict().items()},
+        "calibration_problems": len(groups),
+        "group_size": args.group_size,
+        "sampled_accuracy": statistics.fmean(r for group in groups for r in group),
+        "sampled_accuracy_interval": interval([statistics.fmean(group) for group in groups]),
+        "groups_with_reward_variance": statistics.fmean(0 < sum(g) < len(g) for g in groups),
+        "eval_set": args.eval_set,
+        "greedy_accuracy": statistics.fmean(greedy),
+        "seed": args.seed,
+    }
+
+
+def eval_problems(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """The ``--heldout`` first problems of the ``--eval-set``."""
+    return getattr(problems(args.task), args.eval_set)[: args.heldout]
 
 
 def paired_difference(before: list[int], after: list[int]) -> dict:
     """Mean of ``after - before`` over the same problems, with its 95% t-interval."""
-    from seeds import interval
-
     return interval([b - a for a, b in zip(before, after, strict=True)])
 
 
@@ -316,10 +420,10 @@ def train(args: argparse.Namespace) -> dict:
     load_seconds = time.perf_counter() - start
     setup = engine_setup(args)
     pipeline = gspo_toy.build_pipeline(args.loss, args, task=task, **setup)
-    heldout = problems()[1][: args.heldout]
+    heldout = eval_problems(args)
 
     def evaluate() -> list[int]:
-        return accuracy(task.model, task.tokenizer, heldout, args.max_new_tokens)
+        return accuracy(task.model, task.tokenizer, args.task, heldout, args.max_new_tokens)
 
     before = evaluate()
     name = run_name(args)
@@ -348,7 +452,26 @@ def train(args: argparse.Namespace) -> dict:
     records = metrics.records
     last = metrics.last_eval
     after = last[1] if last and last[0] == records[-1]["step"] else evaluate()
-    return summarize(name, records, before, after, load_seconds, metrics.eval_seconds)
+    summary = summarize(name, records, before, after, load_seconds, metrics.eval_seconds)
+    summary[name]["setting"] = setting(args, pipeline.loss_fn)
+    return summary
+
+
+def setting(args: argparse.Namespace, loss_fn) -> dict:
+    """What a record must carry to be read without its command: the task, the
+    evaluation set, the step size, the steps, the trained layers and the clip band."""
+    return {
+        "task": args.task,
+        "eval_set": args.eval_set,
+        "heldout": args.heldout,
+        "loss": args.loss,
+        "engine": args.engine,
+        "lr": args.lr,
+        "steps": args.steps,
+        "train_layers": args.train_layers,
+        "clip_epsilon": [loss_fn.clip_epsilon_low.item(), loss_fn.clip_epsilon_high.item()],
+        "aggregation": loss_fn.aggregation,
+    }
 
 
 def summarize(
@@ -403,7 +526,7 @@ def plot(name: str, records: list[dict], summary: dict, path: Path) -> None:
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    fig.suptitle(f"{name}: SmolLM2-135M-Instruct, 2-digit addition, one seed")
+    fig.suptitle(f"{name}: SmolLM2-135M-Instruct, task {summary['setting']['task']}, one seed")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -412,6 +535,17 @@ def plot(name: str, records: list[dict], summary: dict, path: Path) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--loss", choices=gspo_toy.LOSSES, default="gspo")
+    parser.add_argument("--task", choices=list(TASKS), default="addition")
+    parser.add_argument(
+        "--eval-set", choices=["validation", "test"], default="validation", help="held-out set"
+    )
+    parser.add_argument(
+        "--calibrate",
+        type=int,
+        default=0,
+        metavar="N",
+        help="train nothing: the base model's sampled accuracy on N training problems",
+    )
     parser.add_argument(
         "--engine",
         choices=["none", *ENGINES],
@@ -441,6 +575,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.minibatches < 1 or (args.prompts * args.group_size) % args.minibatches:
         parser.error("--minibatches must divide --prompts x --group-size")
+    if args.eval_set == "test" and not TASKS[args.task].test:
+        parser.error(f"the task {args.task!r} has no test set: --eval-set validation")
     if not 1 <= args.heldout <= HELDOUT or args.eval_every < 1 or args.train_layers < 0:
         parser.error(f"--heldout within [1, {HELDOUT}], --eval-every >= 1, --train-layers >= 0")
     args.untie_head = False  # the toy's option, read by the shared pipeline
@@ -450,6 +586,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.calibrate:
+        result = calibrate(args)
+        (args.out / "calibration.json").write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result, indent=2))
+        return result
     summary = train(args)
     name = run_name(args)
     records = [json.loads(line) for line in (args.out / f"metrics_{name}.jsonl").open()]

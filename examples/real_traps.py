@@ -43,7 +43,7 @@ from torchrl.modules.llm.policies import ChatHistory
 def chats(tokenizer, count: int) -> list[list[dict[str, str]]]:
     """``count`` held-out problems as dialogs with the model's own system prompt."""
     system = gspo_real.system_prompt(tokenizer)
-    _, held_out = gspo_real.problems()
+    held_out = gspo_real.problems().validation
     return [
         [
             {"role": "system", "content": system},

@@ -39,6 +39,7 @@ Outputs in ``--out`` (default ``outputs/seeds/<experiment>``): ``results.jsonl``
 from __future__ import annotations
 
 import argparse
+import gzip
 import importlib.metadata
 import json
 import math
@@ -78,6 +79,10 @@ class Experiment:
     ``differences`` names metrics that are differences of two metrics of the same run
     (``name: (x, y)`` is ``x - y`` per seed): a paired comparison inside each run, e.g.
     of two measurements taken on the same batches.
+
+    ``primary`` names a pre-registered primary endpoint: the pairs are then one family
+    of comparisons, and each pair's p-value on it is Holm-adjusted over the family (a
+    pair whose runs are not on record yet counts p = 1). Seeds run from ``first_seed``.
     """
 
     description: str
@@ -86,6 +91,12 @@ class Experiment:
     pairs: tuple[tuple[str, str], ...] = ()
     seeds: int = 8
     differences: tuple[tuple[str, tuple[str, str]], ...] = ()
+    primary: str | None = None
+    first_seed: int = 0
+
+    def seed_range(self, seeds: int | None = None) -> range:
+        """The experiment's seeds: ``seeds`` of them (default its own count)."""
+        return range(self.first_seed, self.first_seed + (seeds or self.seeds))
 
 
 TOY = ("reward_first_10pct", "reward_last_10pct", "reward_gain", "reward_auc")
@@ -132,6 +143,23 @@ def _real(loss: str, *args: str, engine: str | None = None) -> Config:
     return Config("gspo_real", name, ("--loss", loss, "--lr", REAL_LR, *engine_args, *args))
 
 
+# the pre-registered comparison on the calibrated task (VALIDATION.md, "GRPO against
+# GSPO, each at its own step size"): the sweep picks each loss's rate on the
+# validation set; the final runs score fresh seeds on the test set
+CALIBRATED = ("--task", "smaller", "--steps", "40", "--heldout", "256", "--eval-every", "10")
+SWEEP_RATES = {"gspo": ("1e-7", "3e-7", "1e-6"), "grpo": ("3e-7", "1e-6", "3e-6", "1e-5")}
+FINAL_PAIRS = (("gspo", "grpo"), ("sspo", "gspo"), ("sspo", "grpo"))  # sspo: a later issue
+
+
+def _calibrated(loss: str, lr: str, eval_set: str, *args: str) -> Config:
+    """A ``gspo_real.py`` run of the calibrated task at ``lr``, scored on ``eval_set``."""
+    return Config(
+        "gspo_real",
+        loss,
+        ("--loss", loss, "--lr", lr, *CALIBRATED, "--eval-set", eval_set, *args),
+    )
+
+
 def _toy(loss: str, *args: str) -> Config:
     return Config("gspo_toy", loss, ("--loss", loss, *args))
 
@@ -152,10 +180,25 @@ EXPERIMENTS = {
         seeds=2,
     ),
     "real-smoke": Experiment(
-        "CI smoke run of the runner on the real model: one tiny run",
-        {"gspo": _real("gspo", *REAL_SMOKE)},
+        "CI smoke run of the runner on the real model: one tiny run per task and set",
+        {
+            "gspo": _real("gspo", *REAL_SMOKE),
+            "gspo-smaller-validation": _calibrated("gspo", "1e-7", "validation", *REAL_SMOKE),
+            "grpo-smaller-test": _calibrated("grpo", "1e-5", "test", *REAL_SMOKE),
+        },
         REAL_METRICS,
         seeds=1,
+    ),
+    "real-smaller-sweep": Experiment(
+        "SmolLM2-135M-Instruct, the calibrated task: each loss over its step sizes,"
+        " 40 steps, scored on the validation set",
+        {
+            f"{loss}-lr{lr}": _calibrated(loss, lr, "validation")
+            for loss, rates in SWEEP_RATES.items()
+            for lr in rates
+        },
+        REAL_METRICS,
+        seeds=2,
     ),
     "real-paper-regime": Experiment(
         "GSPO against GRPO on SmolLM2-135M-Instruct, 60 steps, GSPO at the paper's clip fraction",
@@ -380,7 +423,19 @@ def run_one(name: str, config: Config, seed: int, out: Path) -> dict:
     )
     if done.returncode:
         raise RuntimeError(f"{name} seed {seed} failed:\n{done.stderr[-3000:]}")
+    keep_log(name, config, seed, out)
     return read_run(name, config, seed, out)
+
+
+def keep_log(name: str, config: Config, seed: int, out: Path) -> Path:
+    """The run's per-step metrics, compressed into ``logs/`` (committed with the records,
+    unlike ``runs/``): ``logs/<configuration>-seed<seed>.jsonl.gz``."""
+    source = out / "runs" / name / f"seed{seed}" / f"metrics_{config.run}.jsonl"
+    target = out / "logs" / f"{name}-seed{seed}.jsonl.gz"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.GzipFile(target, "wb", mtime=0) as file:  # mtime 0: the same bytes on a rerun
+        file.write(source.read_bytes())
+    return target
 
 
 def reward_zero_fraction(curve: list[float]) -> float:
@@ -398,11 +453,18 @@ def read_run(name: str, config: Config, seed: int, out: Path) -> dict:
     summary["reward_auc"] = statistics.fmean(curve)
     summary["reward_zero_fraction"] = reward_zero_fraction(curve)
     command = ["python", f"examples/{config.script}.py", *run_args(config, seed, run_dir)]
+    extra = {}
+    if "heldout_accuracy" in records[0]:  # gspo_real: evaluations every --eval-every steps
+        extra["heldout_curve"] = [[-1, summary["heldout_accuracy_before"]]] + [
+            [r["step"], r["heldout_accuracy"]] for r in records if r["heldout_accuracy"] is not None
+        ]
+        extra["clip_curve"] = [r["clip_fraction_off_policy"] for r in records]
     return {
         "config": name,
         "seed": seed,
         "summary": summary,
         "curve": curve,
+        **extra,
         "args": [config.script, *config.args],
         "command": " ".join(command),
     }
@@ -426,14 +488,14 @@ def _matches(record: dict, experiment: Experiment) -> bool:
     return config is not None and record.get("args") == [config.script, *config.args]
 
 
-def run_all(experiment: Experiment, seeds: int, jobs: int, out: Path) -> list[dict]:
+def run_all(experiment: Experiment, seeds: int | None, jobs: int, out: Path) -> list[dict]:
     """Runs the missing (configuration, seed) pairs, ``jobs`` at a time; resumes."""
     results_path = out / "results.jsonl"
     records = load(results_path, experiment)
     done = {(r["config"], r["seed"]) for r in records}
     todo = [
         (name, seed)
-        for seed in range(seeds)
+        for seed in experiment.seed_range(seeds)
         for name in experiment.configs
         if (name, seed) not in done
     ]
@@ -494,7 +556,18 @@ def aggregate(experiment: Experiment, records: list[dict]) -> dict:
         f"{a} - {b}": paired(by, seeds, a, b, set(configs.get(a, {})) & set(configs.get(b, {})))
         for a, b in experiment.pairs
     }
-    return {"configs": configs, "pairs": pairs, "seeds": seeds}
+    result = {"configs": configs, "pairs": pairs, "seeds": seeds}
+    if experiment.primary:
+        result["family"] = family(pairs, experiment.primary)
+    return result
+
+
+def family(pairs: dict, metric: str) -> dict:
+    """The primary endpoint's p-value per pair, unadjusted and Holm-adjusted over all
+    the pairs; a pair with no p-value yet (not run, or one seed) counts p = 1."""
+    raw = {pair: stats.get(metric, {}).get("p") for pair, stats in pairs.items()}
+    adjusted = holm({pair: 1.0 if p is None else p for pair, p in raw.items()})
+    return {"metric": metric, "p": raw, "holm": adjusted}
 
 
 def paired(by: dict, seeds: list[int], a: str, b: str, metrics: set[str]) -> dict:
@@ -582,34 +655,96 @@ def table(experiment: Experiment, result: dict) -> str:
                     f"| {metric} | {s['n']} | {_fmt(s)} | {verdict} | {ratio} | {p} | {counts}"
                     f" | {sign['p']:.3g} |"
                 )
+    if "family" in result:
+        lines += [
+            "",
+            f"primary endpoint {result['family']['metric']}: p-values Holm-adjusted over the"
+            " family of pairs (a pair not on record yet counts p = 1); better when adjusted"
+            " p < 0.05:",
+            "",
+            "| pair | p | Holm-adjusted p |",
+            "|---|---|---|",
+        ]
+        for pair, adjusted in result["family"]["holm"].items():
+            raw = result["family"]["p"][pair]
+            lines.append(f"| {pair} | {'-' if raw is None else f'{raw:.3g}'} | {adjusted:.3g} |")
     return "\n".join(lines)
 
 
+def _band(ax, x: list, curves: list[list[float]], label: str) -> None:
+    """The mean of ``curves`` against ``x``, with its 95% band when there are 2 or more."""
+    stats = [interval([c[t] for c in curves]) for t in range(len(x))]
+    ax.plot(x, [s["mean"] for s in stats], label=f"{label} (n={len(curves)})", linewidth=1.3)
+    if len(curves) > 1:
+        ax.fill_between(x, [s["low"] for s in stats], [s["high"] for s in stats], alpha=0.2)
+
+
+def _real_panels(experiment: Experiment, records: list[dict], axes) -> None:
+    """Held-out greedy accuracy and off-policy clip fraction against step per
+    configuration, and the paired difference of held-out accuracy by seed per pair."""
+    by = {(r["config"], r["seed"]): r for r in records}
+    for name in experiment.configs:
+        runs = [r for r in records if r["config"] == name]
+        if runs:
+            evals = min(map(len, (r["heldout_curve"] for r in runs)))
+            x = [step for step, _ in runs[0]["heldout_curve"][:evals]]
+            _band(axes[1], x, [[acc for _, acc in r["heldout_curve"][:evals]] for r in runs], name)
+            steps = min(len(r["clip_curve"]) for r in runs)
+            _band(axes[2], list(range(steps)), [r["clip_curve"][:steps] for r in runs], name)
+    for a, b in experiment.pairs:
+        both = [s for (c, s) in by if c == a and (b, s) in by]
+        if both:
+            evals = min(len(by[c, s]["heldout_curve"]) for s in both for c in (a, b))
+            x = [step for step, _ in by[a, both[0]]["heldout_curve"][:evals]]
+            diffs = [
+                [
+                    u[1] - v[1]
+                    for u, v in zip(
+                        by[a, s]["heldout_curve"][:evals],
+                        by[b, s]["heldout_curve"][:evals],
+                        strict=True,
+                    )
+                ]
+                for s in both
+            ]
+            _band(axes[3], x, diffs, f"{a} - {b}")
+    axes[3].axhline(0.0, color="black", linewidth=0.8)
+    titles = (
+        "held-out greedy accuracy (-1: before)",
+        "clip fraction, off-policy minibatches",
+        "held-out accuracy, paired difference by seed",
+    )
+    for ax, title in zip(axes[1:], titles, strict=True):
+        ax.set_title(title, fontsize=9)
+
+
 def plot(experiment: Experiment, records: list[dict], path: Path) -> None:
-    """Mean reward per step of each configuration, with its 95% band over seeds."""
+    """Mean reward per step of each configuration, with its 95% band over seeds; for
+    the real model's runs also the held-out accuracy, the clip fraction and the paired
+    difference of held-out accuracy (:func:`_real_panels`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4))
+    real = bool(records) and all("heldout_curve" in r for r in records)
+    fig, axes = plt.subplots(1, 4 if real else 1, figsize=(19, 4.2) if real else (6.4, 4))
+    axes = list(axes) if real else [axes]
     for name in experiment.configs:
         curves = [r["curve"] for r in records if r["config"] == name]
-        if not curves:
-            continue
-        steps = min(map(len, curves))
-        stats = [interval([c[t] for c in curves]) for t in range(steps)]
-        mean = [s["mean"] for s in stats]
-        ax.plot(range(steps), mean, label=f"{name} (n={len(curves)})", linewidth=1.3)
-        if len(curves) > 1:
-            ax.fill_between(
-                range(steps), [s["low"] for s in stats], [s["high"] for s in stats], alpha=0.2
-            )
-    ax.set_xlabel("step (batches of samples)")
-    ax.set_ylabel("mean reward")
-    ax.set_title(experiment.description, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+        if curves:
+            steps = min(map(len, curves))
+            _band(axes[0], list(range(steps)), [c[:steps] for c in curves], name)
+    axes[0].set_ylabel("mean reward")
+    axes[0].set_title(experiment.description if not real else "mean reward (sampled)", fontsize=9)
+    if real:
+        _real_panels(experiment, records, axes)
+        fig.suptitle(experiment.description, fontsize=10)
+    for ax in axes:
+        ax.set_xlabel("step (batches of samples)")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -618,7 +753,9 @@ def plot(experiment: Experiment, records: list[dict], path: Path) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("experiment", nargs="?", choices=list(EXPERIMENTS))
-    parser.add_argument("--seeds", type=int, help="seeds 0 .. N-1 (default: the experiment's)")
+    parser.add_argument(
+        "--seeds", type=int, help="N seeds from the experiment's first (default: its count)"
+    )
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each")
     parser.add_argument("--out", type=Path, help="default outputs/seeds/<experiment>")
     parser.add_argument("--aggregate-only", action="store_true", help="run nothing new")
@@ -638,12 +775,12 @@ def main(argv: list[str] | None = None) -> dict:
     experiment = EXPERIMENTS[args.experiment]
     out = args.out or Path("outputs/seeds") / args.experiment
     out.mkdir(parents=True, exist_ok=True)
-    seeds = args.seeds or experiment.seeds
     if args.aggregate_only:
         records = load(out / "results.jsonl", experiment)
     else:
-        records = run_all(experiment, seeds, args.jobs, out)
-    records = [r for r in records if r["seed"] < seeds]
+        records = run_all(experiment, args.seeds, args.jobs, out)
+    wanted = experiment.seed_range(args.seeds)
+    records = [r for r in records if r["seed"] in wanted]
     result = aggregate(experiment, records)
     result["experiment"] = args.experiment
     result["description"] = experiment.description

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import gzip
 import importlib.metadata
 import json
 import math
@@ -117,6 +118,80 @@ def test_distinguishable_is_whether_the_interval_excludes_zero():
     same = pair([1.0, 2.0, 3.0], [2.0, 1.0, 3.0])  # differences 1, -1, 0: contains 0
     assert same["mean"] == 0.0 and same["distinguishable"] is False
     assert pair([1.0, 2.0, 3.0], [0.0, 0.0, 0.0])["ratio_of_means"] is None  # over 0
+
+
+def test_primary_family_is_holm_adjusted_with_missing_pairs_at_one():
+    """A registered family of three pairs, one not run: its p counts 1. The two run
+    pairs' p-values are the t-test's (checked against t_test_p); Holm over
+    {p1, p2, 1} is then 3 min, max(3 min, 2 max), 1."""
+    configs = {"a": None, "b": None, "c": None}  # "d" is registered but not run yet
+    pairs = (("a", "b"), ("c", "b"), ("d", "a"))
+    experiment = seeds.Experiment("test", configs, ("m",), pairs, primary="m")
+    values = {"a": [1.0, 2.0, 3.0, 4.5], "b": [0.0, 0.5, 1.0, 2.0], "c": [0.1, 0.7, 0.9, 2.4]}
+    records = [_record(c, s, m=v) for c, vs in values.items() for s, v in enumerate(vs)]
+    result = seeds.aggregate(experiment, records)["family"]
+    p_ab = seeds.t_test_p([x - y for x, y in zip(values["a"], values["b"], strict=True)])
+    p_cb = seeds.t_test_p([x - y for x, y in zip(values["c"], values["b"], strict=True)])
+    assert result["metric"] == "m" and result["p"] == pytest.approx(
+        {"a - b": p_ab, "c - b": p_cb, "d - a": None}
+    )
+    low, high = sorted((p_ab, p_cb))
+    expected = {"a - b": 3 * p_ab, "c - b": 3 * p_cb, "d - a": 1.0}
+    expected["a - b" if p_ab == high else "c - b"] = max(3 * low, 2 * high)
+    assert result["holm"] == pytest.approx({k: min(1.0, v) for k, v in expected.items()})
+    table = seeds.table(experiment, seeds.aggregate(experiment, records))
+    assert "Holm-adjusted" in table and "| d - a | - | 1 |" in table
+
+
+def test_real_curves_plot_accuracy_clip_and_the_paired_difference(tmp_path, monkeypatch):
+    """Records with held-out and clip curves get the four panels; the paired panel's
+    curve is the difference by seed of the two configurations' held-out accuracies."""
+    experiment = seeds.Experiment("test", {"a": None, "b": None}, ("m",), (("a", "b"),))
+    records = [
+        {
+            **_record(config, seed),
+            "curve": [0.0, 0.5],
+            "heldout_curve": [[-1, 0.5], [1, 0.5 + offset + seed / 10]],
+            "clip_curve": [0.1, 0.2],
+        }
+        for config, offset in (("a", 0.2), ("b", 0.0))
+        for seed in (0, 1)
+    ]
+    bands = []
+    monkeypatch.setattr(seeds, "_band", lambda ax, x, curves, label: bands.append((label, curves)))
+    seeds.plot(experiment, records, tmp_path / "curves.png")
+    assert (tmp_path / "curves.png").stat().st_size > 0
+    assert [label for label, _ in bands] == [
+        "a",
+        "b",
+        "a",
+        "a",
+        "b",
+        "b",
+        "a - b",
+    ]  # reward; per config held-out, clip; pair
+    for difference in bands[-1][1]:  # seeds 0 and 1: a - b is 0 before, 0.2 after
+        assert difference == pytest.approx([0.0, 0.2])
+
+
+def test_seed_range_starts_at_the_first_seed():
+    experiment = seeds.Experiment("test", {}, (), seeds=8, first_seed=100)
+    assert experiment.seed_range() == range(100, 108)
+    assert experiment.seed_range(2) == range(100, 102)
+    assert seeds.Experiment("test", {}, ()).seed_range() == range(8)
+
+
+def test_kept_log_is_the_run_s_metrics_compressed_and_reproducible(tmp_path):
+    config = seeds.Config("gspo_real", "gspo")
+    run_dir = tmp_path / "runs" / "gspo-lr1e-7" / "seed3"
+    run_dir.mkdir(parents=True)
+    text = '{"step": 0, "reward": 0.5}\n{"step": 1, "reward": 0.25}\n'
+    (run_dir / "metrics_gspo.jsonl").write_text(text)
+    path = seeds.keep_log("gspo-lr1e-7", config, 3, tmp_path)
+    assert path == tmp_path / "logs" / "gspo-lr1e-7-seed3.jsonl.gz"
+    assert gzip.decompress(path.read_bytes()).decode() == text
+    first = path.read_bytes()
+    assert seeds.keep_log("gspo-lr1e-7", config, 3, tmp_path).read_bytes() == first  # no mtime
 
 
 def test_records_of_another_definition_are_left_out(tmp_path):

