@@ -167,7 +167,10 @@ def make_case_data(case: Case) -> tuple[TensorDictBase, torch.Tensor, torch.Tens
         rows = []
         for i in range(b):
             n, p = int(lengths[i]), int(prompts[i])
+            # the prompt, the response and the sequence, as TorchRL's collectors hand
+            # them out: the losses check by id that the sequence is the other two
             row = {TOKENS: tokens[i, t - n :], MASK: mask[i, t - n :]}
+            row.update({("tokens", "prompt"): tokens[i, t - n : t - n + p]})
             row.update({("tokens", "response"): tokens[i, t - n + p :], "advantage": advantage[i]})
             rows.append(TensorDict({**row, ("log_probs", "full"): old[i, t - n :]}))
         data = lazy_stack(rows, 0)
@@ -229,9 +232,25 @@ def time_case(case: Case, repeats: int, block_s: float) -> dict:
         for name in names[repeat % 3 :] + names[: repeat % 3]:
             best[name] = min(best[name], _block(fns[name], data, number, cuda))
     result = {"seconds": best, "calls_per_block": number, "valid_tokens": int(mask.sum())}
+    if case.layout == "lazy" and case.mode == "head":
+        result["checks_seconds"] = checks_cost(case, data, current, mask, repeats, number)
     if case.mode == "compiled":
         result["graphs"] = graphs(case, data, current, mask)
     return result
+
+
+def checks_cost(case: Case, data, current, mask, repeats: int, number: int) -> float:
+    """GSPOLoss' time per call minus its time with ``response_mask_check="ignore"``:
+    what the per-row checks cost (the context by id, and the response's length),
+    timed in interleaved repeats, each loss' fastest block."""
+    fns = [make_loss(case, "GSPOLoss", current, mask)]
+    fns.append(GSPOLoss(HeadActor(current, mask), response_mask_check="ignore", **KWARGS))
+    cuda = case.device.startswith("cuda")
+    best = [float("inf")] * 2
+    for repeat in range(repeats):
+        for k in (repeat % 2, 1 - repeat % 2):
+            best[k] = min(best[k], _block(fns[k], data, number, cuda))
+    return best[0] - best[1]
 
 
 def peak_memory_mb(case: Case, name: str) -> float:
@@ -311,6 +330,8 @@ def summarize(runs: list[list[dict]]) -> dict[str, dict]:
         ms = {n: [1e3 * r["seconds"][n] for r in results] for n in LOSSES}
         ratios = {n: [a / g for a, g in zip(ms[n], ms["GRPOLoss"], strict=True)] for n in LOSSES}
         summary[case.key] = {"case": asdict(case), "ms": ms, "ratio": ratios}
+        if "checks_seconds" in results[0]:
+            summary[case.key]["checks_us"] = [1e6 * r["checks_seconds"] for r in results]
         if "graphs" in results[0]:
             summary[case.key]["graphs"] = results[0]["graphs"]
     return summary
@@ -355,6 +376,16 @@ def report(summary: dict, goals: list, device: str) -> tuple[str, dict]:
             overhead[size] = [1e3 * (gspo - grpo) for gspo, grpo in pairs]
             text += f"\n\nGSPOLoss minus GRPOLoss per call, head dense {size}, per process: "
             text += ", ".join(f"{v:+.0f} us" for v in overhead[size])
+    for key, res in summary.items():
+        if "checks_us" in res:
+            share = [
+                c / (1e3 * g) for c, g in zip(res["checks_us"], res["ms"]["GSPOLoss"], strict=True)
+            ]
+            text += f"\n\nThe per-row checks' cost (context by id, response length), {key}, "
+            text += "per process: " + ", ".join(
+                f"{c:+.0f} us ({100 * f:.1f}% of GSPOLoss)"
+                for c, f in zip(res["checks_us"], share, strict=True)
+            )
     for key, res in summary.items():
         if "memory_mb" in res:
             text += f"\n\nPeak memory growth of one step, {key} (MB): "

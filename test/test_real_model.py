@@ -26,7 +26,7 @@ from torchrl.data.llm import History
 from torchrl.modules.llm import TransformersWrapper
 from torchrl.modules.llm.policies import ChatHistory
 
-from torchrl_gspo import GSPOLoss, RecomputeOldLogProbs
+from torchrl_gspo import GSPOLoss, GSPOTokenLoss, RecomputeOldLogProbs
 
 gspo_real = example("gspo_real")
 gspo_toy = example("gspo_toy")
@@ -318,8 +318,108 @@ def test_pad_eos_is_detected_by_the_loss():
     policy = gspo_toy.scoring_wrapper(model, tokenizer)
     data = RecomputeOldLogProbs(policy, out_key="log_probs")(data)
     data.set("advantage", torch.tensor([1.0, -1.0]).reshape(2, 1, 1))
-    with pytest.raises(ValueError, match=rf"its pad token is its end of turn \(id {eos}\)"):
+    with pytest.raises(ValueError, match=rf"pads with its end of turn \(id {eos}\)") as caught:
         GSPOLoss(policy)(data)
+    assert_named_only(str(caught.value), "removed")
+
+
+CONTEXT_WORDS = {  # each cause: what its message says, and only it says
+    "removed": "ids were removed after sampling",
+    "added": "ids were added after sampling",
+    "other ids": "as long as prompt + response, with other ids",
+}
+
+
+def assert_named_only(message: str, *causes: str) -> None:
+    """The message names ``causes`` and no other context cause; it claims pad = eos
+    only for the removed ids of a tokenizer that pads with its end of turn."""
+    for cause, words in CONTEXT_WORDS.items():
+        assert (words in message) is (cause in causes), (cause, message)
+    if "added" in causes or "other ids" in causes:
+        assert "re-rendered or re-tokenised after sampling" in message
+        assert "input_mode='tokens'" in message and "RecomputeOldLogProbs" in message
+
+
+def rescored_by_history_mode(model, tokenizer, turns: int, max_new_tokens: int):
+    """``turns`` assistant turns sampled in history mode, then scored by the
+    history-mode training wrapper, its outputs written back into the batch (the
+    tokens it re-rendered at ("tokens", "full"), its log-probabilities): the batch
+    and the wrapper."""
+    common = {"tokenizer": tokenizer, "input_mode": "history", "pad_output": False}
+    common["chat_template_name"] = "chatml_format"
+    scorer = TransformersWrapper(model, generate=False, return_log_probs=True, **common)
+    prompts = dialogs(tokenizer, 4)
+    torch.manual_seed(0)
+    for _ in range(turns):
+        with torch.no_grad():
+            data = history_generator(model, tokenizer, max_new_tokens)(prompts)
+        histories = data["history"].full.unbind(0)
+        prompts = lazy_stack([TensorDict(history=ChatHistory(prompt=h)) for h in histories])
+    with torch.no_grad():
+        data = data.update(scorer(data.copy()))
+    data.set("advantage", torch.tensor([1.0, -1.0, 0.5, -0.5]).reshape(4, 1, 1))
+    return data, scorer
+
+
+@pytest.mark.parametrize("turns", [1, 2])
+@pytest.mark.parametrize("loss_class", [GSPOLoss, GSPOTokenLoss])
+def test_history_mode_rescoring_is_named_as_re_rendering(real, turns, loss_class):
+    """Sampled in history mode, scored by the history-mode wrapper with "rlhf", as
+    TorchRL's recipe does: every row's ("tokens", "full") was re-rendered, longer than
+    what was sampled. The error says so (ids added, the history-mode actor, the "rlhf"
+    mask), gives the working configuration as the fix, and does not claim stripped
+    ids or pad = eos (this tokenizer's pad is not its end of turn)."""
+    model, tokenizer = real
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    data, scorer = rescored_by_history_mode(model, tokenizer, turns, 12)
+    responses = data.get(("tokens", "response"), as_list=True)
+    ended = [int(r[-1]) == eos for r in responses]
+    assert any(ended) or turns == 2  # responses that ended, and cut ones
+    assert not all(ended)
+    with pytest.raises(ValueError, match=r"in batch row\(s\) \[0, 1, 2, 3\]") as caught:
+        loss_class(scorer, masking_strategy="rlhf")(data)
+    message = str(caught.value)
+    # re-rendering makes a row longer (an end of turn and a newline the template adds),
+    # or, re-tokenised, as long with other ids: both are named as re-rendering
+    causes = [c for c in ("added", "other ids") if CONTEXT_WORDS[c] in message]
+    assert "added" in causes
+    assert_named_only(message, *causes)
+    assert "actor is in history mode" in message and "masking_strategy='rlhf'" in message
+    assert "pads with its end of turn" not in message
+
+
+def test_each_group_of_rows_is_named_with_its_cause(real):
+    """A hand-made batch on the real tokenizer: a row shorter than its prompt plus
+    its response, a longer one, one of equal length with another id, and a consistent
+    one: one line per group, each with its own cause; the consistent row is not named."""
+    model, tokenizer = real
+    torch.manual_seed(0)
+    with torch.no_grad():
+        data = history_generator(model, tokenizer, 6)(dialogs(tokenizer, 4))
+    rows = [row.clone() for row in data.tensordicts]
+    edits = {
+        0: lambda full: full[1:],  # the first id removed
+        1: lambda full: torch.cat([full, full[-1:]]),  # an id added
+        2: lambda full: torch.cat([full[:3], full[3:4] + 1, full[4:]]),  # an id changed
+    }
+    for i, edit in edits.items():
+        full = edit(rows[i]["tokens", "full"])
+        rows[i]["tokens"] = rows[i]["tokens"].exclude("full").set("full", full)
+        rows[i]["masks", "all_attention_mask"] = torch.ones(full.numel(), dtype=torch.bool)
+    scorer = gspo_toy.scoring_wrapper(model, tokenizer)
+    batch = RecomputeOldLogProbs(scorer, out_key="log_probs")(lazy_stack(rows))
+    batch.set("advantage", torch.tensor([1.0, -1.0, 0.5, -0.5]).reshape(4, 1, 1))
+    with pytest.raises(ValueError, match=r"in batch row\(s\) \[0, 1, 2\]") as caught:
+        GSPOLoss(scorer)(batch)
+    message = str(caught.value)
+    assert_named_only(message, "removed", "added", "other ids")
+    lines = {line.split(":")[0]: line for line in message.splitlines() if line.startswith("- ")}
+    assert set(lines) == {"- row(s) [0]", "- row(s) [1]", "- row(s) [2]"}
+    assert CONTEXT_WORDS["removed"] in lines["- row(s) [0]"]
+    assert "not known here" in lines["- row(s) [0]"]  # pad is not eos: no named cause
+    assert CONTEXT_WORDS["added"] in lines["- row(s) [1]"]
+    assert CONTEXT_WORDS["other ids"] in lines["- row(s) [2]"]
+    assert "actor is in history mode" not in message  # the actor is in tokens mode
 
 
 def test_sft_mask_is_the_sampled_tokens_of_each_turn(real):

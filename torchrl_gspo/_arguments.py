@@ -41,6 +41,8 @@ class Options(NamedTuple):
         policy_version: the trainer's version as a function, or ``None``.
         advantage_level: ``"sequence"`` or ``"token"``.
         tokenizer: the actor's tokenizer, to name a cause in an error, or ``None``.
+        input_mode: the actor's input mode (``"history"``, ``"text"``, ``"tokens"``),
+            to name a cause in an error, or ``None``.
     """
 
     owner: str
@@ -55,6 +57,7 @@ class Options(NamedTuple):
     policy_version: Callable[[], int] | None
     advantage_level: str
     tokenizer: Any
+    input_mode: str | None = None
 
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:

@@ -218,49 +218,139 @@ def finite_log_ratio(options: Options, log_ratio: torch.Tensor) -> Rule:
     )
 
 
-def stripped_context(
-    rows: list[TensorDictBase], owner: str, tokenizer=None
+class ContextCause(NamedTuple):
+    """One way a row's ``full`` can differ from its prompt followed by its response.
+
+    Attributes:
+        seen: what the row shows, as the error says it.
+        applies: ``(full, prompt + response, same ids)`` -> whether the row shows it;
+            ``same ids`` is only read when the lengths are equal.
+        cause: the cause and its fix for the loss' options, as the error says them.
+    """
+
+    seen: str
+    applies: Callable[[int, int, bool], bool]
+    cause: Callable[[Options], str]
+
+
+def _removed(options: Options) -> str:
+    """Tokens removed after sampling: pad = eos when the actor's tokenizer shows it."""
+    tokenizer = options.tokenizer
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is not None and pad == getattr(tokenizer, "eos_token_id", None):
+        return (
+            f"the actor's tokenizer pads with its end of turn (id {pad}), and TorchRL "
+            "strips pad ids from the sampled tokens, every end of turn included. Fix: "
+            "give the tokenizer a pad token distinct from its end of turn (e.g. "
+            "tokenizer.pad_token = '<|endoftext|>'), set it as the model's "
+            "generation_config.pad_token_id, and ban it in generation (bad_words_ids)"
+        )
+    pad_id = "" if pad is None else f" (id {pad})"
+    seen = "its pad token is not its end of turn" if tokenizer is not None else "no tokenizer"
+    return (
+        f"not known here (the actor's tokenizer: {seen}). TorchRL strips pad ids{pad_id} "
+        "from the sampled tokens: if the model can sample the pad token, ban it in "
+        "generation (bad_words_ids); otherwise find what removed ids between sampling "
+        "and the loss"
+    )
+
+
+def _rewritten(options: Options) -> str:
+    """The sequence re-rendered or re-tokenised: the working configuration's fix."""
+    by = []
+    if options.input_mode == "history":
+        by.append(
+            "this loss' actor is in history mode: it renders the dialog with its chat "
+            "template and tokenises it again"
+        )
+    if options.masking_strategy == "rlhf":
+        by.append(
+            "masking_strategy='rlhf' masks that re-rendered sequence's assistant turns, "
+            "which are not the sampled ids"
+        )
+    here = (
+        "; ".join(by) if by else "e.g. a history-mode wrapper's output written back into the batch"
+    )
+    return (
+        f"the sequence was re-rendered or re-tokenised after sampling ({here}). Fix the "
+        "data, not only the loss: generate in history mode, keeping the sampled tokens; "
+        "score those tokens with a tokens-mode training wrapper (TransformersWrapper(model, "
+        "tokenizer=tokenizer, input_mode='tokens', generate=False, return_log_probs=True, "
+        "pad_output=False)) and masking_strategy='sft'; compute the old log-probabilities "
+        "with RecomputeOldLogProbs(that wrapper); never write a history-mode wrapper's "
+        f"{FULL_KEY!r} back into the batch"
+    )
+
+
+CONTEXT_CAUSES = (
+    ContextCause(
+        "shorter than prompt + response: ids were removed after sampling",
+        lambda full, both, same: full < both,
+        _removed,
+    ),
+    ContextCause(
+        "longer than prompt + response: ids were added after sampling",
+        lambda full, both, same: full > both,
+        _rewritten,
+    ),
+    ContextCause(
+        "as long as prompt + response, with other ids",
+        lambda full, both, same: full == both and not same,
+        _rewritten,
+    ),
+)
+
+
+def context_mismatch(
+    rows: list[TensorDictBase], options: Options
 ) -> tuple[list[int], ValueError | None]:
     """Rows whose sequence is not their prompt followed by their response.
 
-    TorchRL's ``Tokens`` hold ``full = prompt + response``. A row whose ``full`` is
-    shorter lost tokens after sampling: TorchRL's wrappers strip pad ids, so a
-    tokenizer whose pad token is its end of turn deletes every end of turn, the
-    prompt's and the sampled one. The loss would then score another context than the
-    one that was sampled.
+    TorchRL's ``Tokens`` hold ``full = prompt + response``, by id. A row that breaks it
+    would be scored in a context that was not sampled. Each group of rows is named with
+    its cause (:data:`CONTEXT_CAUSES`): shorter rows lost ids after sampling, longer
+    rows and rows of other ids were re-rendered or re-tokenised. The ids are compared
+    in eager mode; under ``torch.compile`` only the lengths are.
 
     Args:
         rows (list[TensorDictBase]): the rows of a lazily stacked batch.
-        owner (str): the name the error starts with.
-        tokenizer: the actor's tokenizer, to name pad = eos in the error, or ``None``.
+        options (Options): the loss' options (its name, tokenizer, masking strategy
+            and actor's input mode name the cause).
 
     Returns:
         tuple[list[int], ValueError | None]: the bad rows and the error naming them
         (``None`` when every row holds the three keys consistently or none of them).
     """
     keys = (PROMPT_KEY, RESPONSE_KEY, FULL_KEY)
-    present = [all(key in row.keys(include_nested=True) for key in keys) for row in rows]
-    if not all(present):
+    # ids are compared in eager mode; a compiled graph compares the lengths only
+    by_id = not torch.compiler.is_compiling()
+    groups: dict[int, list[tuple[int, int, int]]] = {}
+    for i, row in enumerate(rows):
+        present = row.keys(include_nested=True)
+        if not all(key in present for key in keys):
+            return [], None
+        prompt, response, full = (row.get(key) for key in keys)
+        length, both = full.shape[-1], prompt.shape[-1] + response.shape[-1]
+        same = length != both or not by_id or torch.equal(full, torch.cat([prompt, response], -1))
+        for k, kind in enumerate(CONTEXT_CAUSES):
+            if kind.applies(length, both, same):
+                groups.setdefault(k, []).append((i, length, both))
+    if not groups:
         return [], None
-    lengths = [[row.get(key).shape[-1] for key in keys] for row in rows]
-    bad = [i for i, (prompt, response, full) in enumerate(lengths) if prompt + response != full]
-    if not bad:
-        return [], None
-    pad = getattr(tokenizer, "pad_token_id", None)
-    cause = "a pad token equal to the end-of-turn token"
-    if pad is not None and pad == getattr(tokenizer, "eos_token_id", None):
-        cause = f"this actor's tokenizer: its pad token is its end of turn (id {pad})"
-    found = [lengths[i] for i in bad]
+    lines, given = [], set()
+    for k, found in sorted(groups.items()):
+        kind = CONTEXT_CAUSES[k]
+        cause = "as above" if kind.cause in given else kind.cause(options)
+        given.add(kind.cause)
+        lines.append(
+            f"- row(s) {[i for i, _, _ in found]}: {kind.seen} ({[f for _, f, _ in found]} "
+            f"tokens vs {[b for _, _, b in found]}). Cause: {cause}."
+        )
+    bad = sorted(i for found in groups.values() for i, _, _ in found)
     return bad, ValueError(
-        f"{owner}: the tokens at {FULL_KEY!r} are not the prompt at {PROMPT_KEY!r} "
-        f"followed by the response at {RESPONSE_KEY!r} in batch row(s) {bad}: "
-        f"{[full for _, _, full in found]} tokens vs "
-        f"{[prompt + response for prompt, response, _ in found]} (prompt + response). "
-        "Tokens were stripped after sampling, so the loss would score a context that "
-        f"was not sampled. Known cause: {cause}; TorchRL strips pad ids from the "
-        "sampled tokens, every end of turn included. Fix: give the tokenizer a pad "
-        "token distinct from its end of turn (e.g. tokenizer.pad_token = "
-        "'<|endoftext|>'), set it as the model's generation_config.pad_token_id, and "
-        "ban it in generation (bad_words_ids). Pass response_mask_check='warn' or "
-        "'ignore' to override."
+        f"{options.owner}: the tokens at {FULL_KEY!r} are not the prompt at "
+        f"{PROMPT_KEY!r} followed by the response at {RESPONSE_KEY!r} in batch row(s) "
+        f"{bad}, so the loss would score a context that was not sampled.\n"
+        + "\n".join(lines)
+        + "\nPass response_mask_check='warn' or 'ignore' to override."
     )

@@ -19,7 +19,7 @@ from tensordict import LazyStackedTensorDict, TensorDictBase
 from tensordict.utils import NestedKey
 
 from torchrl_gspo._arguments import Options
-from torchrl_gspo._checks import RESPONSE_KEY, enforce, stripped_context
+from torchrl_gspo._checks import RESPONSE_KEY, context_mismatch, enforce
 
 
 class Batch(NamedTuple):
@@ -123,7 +123,7 @@ def read_batch(tensordict: TensorDictBase, options: Options) -> Batch:
     rows = _rows(tensordict)
     tokens, advantage, sample = _required(tensordict, rows, options)
     if rows is not None and options.response_mask_check != "ignore":
-        _, error = stripped_context(rows, options.owner, options.tokenizer)
+        _, error = context_mismatch(rows, options)
         enforce(error, options.response_mask_check)
     size = tensordict.batch_size[0]
     if size == 0:

@@ -395,6 +395,7 @@ class GSPOLoss(GRPOLoss):
             policy_version=self.policy_version,
             advantage_level=self.advantage_level,
             tokenizer=getattr(self.actor_network, "tokenizer", None),
+            input_mode=getattr(self.actor_network, "input_mode", None),
         )
 
     def _accumulation_dtype(self, current: torch.dtype, old: torch.dtype) -> torch.dtype:
