@@ -83,6 +83,8 @@ class Experiment:
     ``primary`` names a pre-registered primary endpoint: the pairs are then one family
     of comparisons, and each pair's p-value on it is Holm-adjusted over the family (a
     pair whose runs are not on record yet counts p = 1). Seeds run from ``first_seed``.
+    ``pick`` names the metric of a sweep's registered rule (:func:`pick_rates`), over
+    configurations named ``<loss>-lr<rate>``.
     """
 
     description: str
@@ -93,6 +95,7 @@ class Experiment:
     differences: tuple[tuple[str, tuple[str, str]], ...] = ()
     primary: str | None = None
     first_seed: int = 0
+    pick: str | None = None
 
     def seed_range(self, seeds: int | None = None) -> range:
         """The experiment's seeds: ``seeds`` of them (default its own count)."""
@@ -199,6 +202,7 @@ EXPERIMENTS = {
         },
         REAL_METRICS,
         seeds=2,
+        pick="heldout_accuracy_after",
     ),
     "real-paper-regime": Experiment(
         "GSPO against GRPO on SmolLM2-135M-Instruct, 60 steps, GSPO at the paper's clip fraction",
@@ -559,7 +563,27 @@ def aggregate(experiment: Experiment, records: list[dict]) -> dict:
     result = {"configs": configs, "pairs": pairs, "seeds": seeds}
     if experiment.primary:
         result["family"] = family(pairs, experiment.primary)
+    if experiment.pick:
+        result["picked"] = pick_rates(configs, experiment.pick)
     return result
+
+
+def pick_rates(configs: dict, metric: str) -> dict:
+    """The registered rule of a sweep (VALIDATION.md, "7."): per loss, the rate whose
+    mean ``metric`` over the seeds is highest, a tie at the third decimal going to the
+    smaller rate; ``at_edge`` when it is the grid's least or greatest rate."""
+    by_loss: dict[str, list[tuple[float, float]]] = {}
+    for name, stats in configs.items():
+        loss, rate = name.rsplit("-lr", 1)
+        if metric in stats:
+            by_loss.setdefault(loss, []).append((float(rate), stats[metric]["mean"]))
+    picked = {}
+    for loss, rates in by_loss.items():
+        best = max(round(mean, 3) for _, mean in rates)
+        rate = min(r for r, mean in rates if round(mean, 3) == best)
+        grid = sorted(r for r, _ in rates)
+        picked[loss] = {"lr": rate, "mean": best, "at_edge": rate in (grid[0], grid[-1])}
+    return picked
 
 
 def family(pairs: dict, metric: str) -> dict:
@@ -655,6 +679,17 @@ def table(experiment: Experiment, result: dict) -> str:
                     f"| {metric} | {s['n']} | {_fmt(s)} | {verdict} | {ratio} | {p} | {counts}"
                     f" | {sign['p']:.3g} |"
                 )
+    return "\n".join(lines + _registered(experiment, result))
+
+
+def _registered(experiment: Experiment, result: dict) -> list[str]:
+    """The table's lines for a registered rule: the sweep's picks, the primary family."""
+    lines = []
+    if "picked" in result:
+        lines += ["", f"the registered rule's rate per loss (highest mean {experiment.pick}):", ""]
+        for loss, pick in result["picked"].items():
+            edge = "; at the grid's edge: extend it once" if pick["at_edge"] else ""
+            lines.append(f"- {loss}: lr {pick['lr']:g} (mean {pick['mean']:.3f}){edge}")
     if "family" in result:
         lines += [
             "",
@@ -668,7 +703,7 @@ def table(experiment: Experiment, result: dict) -> str:
         for pair, adjusted in result["family"]["holm"].items():
             raw = result["family"]["p"][pair]
             lines.append(f"| {pair} | {'-' if raw is None else f'{raw:.3g}'} | {adjusted:.3g} |")
-    return "\n".join(lines)
+    return lines
 
 
 def _band(ax, x: list, curves: list[list[float]], label: str) -> None:

@@ -174,6 +174,25 @@ def test_real_curves_plot_accuracy_clip_and_the_paired_difference(tmp_path, monk
         assert difference == pytest.approx([0.0, 0.2])
 
 
+def test_sweep_rule_picks_the_best_mean_and_the_smaller_rate_on_a_tie():
+    """Means over two seeds: a 0.25 / 0.3 / 0.2 (1e-6 wins), b tied at the third
+    decimal (0.4 and 0.4004) goes to the smaller rate, at its grid's edge."""
+    configs = {"a-lr1e-7": None, "a-lr1e-6": None, "a-lr3e-6": None}
+    configs.update({"b-lr3e-7": None, "b-lr1e-5": None})
+    experiment = seeds.Experiment("test", configs, ("m",), pick="m")
+    values = {
+        "a-lr1e-7": (0.2, 0.3),
+        "a-lr1e-6": (0.3, 0.3),
+        "a-lr3e-6": (0.1, 0.3),
+        "b-lr3e-7": (0.4, 0.4),
+        "b-lr1e-5": (0.4, 0.4008),
+    }
+    records = [_record(c, s, m=v) for c, vs in values.items() for s, v in enumerate(vs)]
+    picked = seeds.aggregate(experiment, records)["picked"]
+    assert picked["a"] == {"lr": 1e-6, "mean": 0.3, "at_edge": False}
+    assert picked["b"] == {"lr": 3e-7, "mean": 0.4, "at_edge": True}
+
+
 def test_seed_range_starts_at_the_first_seed():
     experiment = seeds.Experiment("test", {}, (), seeds=8, first_seed=100)
     assert experiment.seed_range() == range(100, 108)
