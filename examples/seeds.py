@@ -84,7 +84,8 @@ class Experiment:
     of comparisons, and each pair's p-value on it is Holm-adjusted over the family (a
     pair whose runs are not on record yet counts p = 1). Seeds run from ``first_seed``.
     ``pick`` names the metric of a sweep's registered rule (:func:`pick_rates`), over
-    configurations named ``<loss>-lr<rate>``.
+    configurations named ``<loss>-lr<rate>``; ``paper_clip`` the clip fraction of each
+    loss' paper, for the sweep's paper-regime reading (:func:`paper_regime`).
     """
 
     description: str
@@ -96,6 +97,7 @@ class Experiment:
     primary: str | None = None
     first_seed: int = 0
     pick: str | None = None
+    paper_clip: tuple[tuple[str, float], ...] = ()
 
     def seed_range(self, seeds: int | None = None) -> range:
         """The experiment's seeds: ``seeds`` of them (default its own count)."""
@@ -203,6 +205,7 @@ EXPERIMENTS = {
         REAL_METRICS,
         seeds=2,
         pick="heldout_accuracy_after",
+        paper_clip=(("gspo", 0.15), ("grpo", 0.0013)),  # the GSPO paper's Fig. 2
     ),
     "real-paper-regime": Experiment(
         "GSPO against GRPO on SmolLM2-135M-Instruct, 60 steps, GSPO at the paper's clip fraction",
@@ -565,7 +568,33 @@ def aggregate(experiment: Experiment, records: list[dict]) -> dict:
         result["family"] = family(pairs, experiment.primary)
     if experiment.pick:
         result["picked"] = pick_rates(configs, experiment.pick)
+    if experiment.paper_clip:
+        result["paper_regime"] = paper_regime(by, seeds, configs, dict(experiment.paper_clip))
     return result
+
+
+def paper_regime(by: dict, seeds: list[int], configs: dict, paper: dict[str, float]) -> dict:
+    """Per loss, the configuration whose mean clip fraction over all minibatches
+    (``clip_fraction_mean``) is nearest its paper's; and the first two losses' paired
+    difference of the held-out accuracy gain there, by seed: a description, not a test."""
+    nearest = {}
+    for loss, target in paper.items():
+        runs = {
+            name: stats["clip_fraction_mean"]["mean"]
+            for name, stats in configs.items()
+            if name.rsplit("-lr", 1)[0] == loss and "clip_fraction_mean" in stats
+        }
+        if runs:
+            name = min(runs, key=lambda n: abs(runs[n] - target))
+            nearest[loss] = {"config": name, "clip_fraction_mean": runs[name], "paper": target}
+    out = {"nearest": nearest}
+    if len(nearest) >= 2:
+        a, b = (nearest[loss]["config"] for loss in list(paper)[:2])
+        out["pair"] = f"{a} - {b}"
+        out["difference"] = paired(by, seeds, a, b, {"heldout_accuracy_gain"}).get(
+            "heldout_accuracy_gain"
+        )
+    return out
 
 
 def pick_rates(configs: dict, metric: str) -> dict:
@@ -690,6 +719,24 @@ def _registered(experiment: Experiment, result: dict) -> list[str]:
         for loss, pick in result["picked"].items():
             edge = "; at the grid's edge: extend it once" if pick["at_edge"] else ""
             lines.append(f"- {loss}: lr {pick['lr']:g} (mean {pick['mean']:.3f}){edge}")
+    if "paper_regime" in result:
+        regime = result["paper_regime"]
+        lines += [
+            "",
+            "paper-regime reading (each loss at the rate whose clip fraction over all"
+            " minibatches is nearest its paper's; a description, not a test):",
+            "",
+        ]
+        for loss, near in regime["nearest"].items():
+            lines.append(
+                f"- {loss}: {near['config']}, clip fraction {near['clip_fraction_mean']:.4g}"
+                f" (paper {near['paper']:g})"
+            )
+        if regime.get("difference"):
+            lines.append(
+                f"- {regime['pair']}, held-out accuracy gain paired by seed:"
+                f" {_fmt(regime['difference'])}"
+            )
     if "family" in result:
         lines += [
             "",

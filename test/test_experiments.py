@@ -193,6 +193,32 @@ def test_sweep_rule_picks_the_best_mean_and_the_smaller_rate_on_a_tie():
     assert picked["b"] == {"lr": 3e-7, "mean": 0.4, "at_edge": True}
 
 
+def test_paper_regime_takes_the_rate_nearest_each_paper_clip_fraction():
+    """Clip fractions 0.05 / 0.2 / 0.5 (GSPO target 0.15: 0.2 is nearest) and 0 / 0.001
+    / 0.02 (GRPO target 0.0013: 0.001); the gains' paired difference by seed."""
+    configs = dict.fromkeys(["gspo-lr1e-7", "gspo-lr3e-7", "gspo-lr1e-6"])
+    configs.update(dict.fromkeys(["grpo-lr3e-7", "grpo-lr1e-6", "grpo-lr1e-5"]))
+    clips = {"gspo-lr1e-7": 0.05, "gspo-lr3e-7": 0.2, "gspo-lr1e-6": 0.5}
+    clips.update({"grpo-lr3e-7": 0.0, "grpo-lr1e-6": 0.001, "grpo-lr1e-5": 0.02})
+    gains = {"gspo-lr3e-7": (0.1, 0.3), "grpo-lr1e-6": (0.2, 0.1)}
+    metrics = ("clip_fraction_mean", "heldout_accuracy_gain")
+    paper = (("gspo", 0.15), ("grpo", 0.0013))
+    experiment = seeds.Experiment("test", configs, metrics, paper_clip=paper)
+    records = [
+        _record(c, s, clip_fraction_mean=clip, heldout_accuracy_gain=gains.get(c, (0, 0))[s])
+        for c, clip in clips.items()
+        for s in (0, 1)
+    ]
+    regime = seeds.aggregate(experiment, records)["paper_regime"]
+    assert {k: v["config"] for k, v in regime["nearest"].items()} == {
+        "gspo": "gspo-lr3e-7",
+        "grpo": "grpo-lr1e-6",
+    }
+    assert regime["pair"] == "gspo-lr3e-7 - grpo-lr1e-6"
+    assert regime["difference"]["n"] == 2
+    assert regime["difference"]["mean"] == pytest.approx(statistics.fmean([-0.1, 0.2]))
+
+
 def test_seed_range_starts_at_the_first_seed():
     experiment = seeds.Experiment("test", {}, (), seeds=8, first_seed=100)
     assert experiment.seed_range() == range(100, 108)
