@@ -18,7 +18,7 @@ import torchrl_gspo
 def _examples() -> list[doctest.DocTest]:
     finder = doctest.DocTestFinder(exclude_empty=True)
     tests = []
-    for info in pkgutil.iter_modules(torchrl_gspo.__path__, prefix="torchrl_gspo."):
+    for info in pkgutil.walk_packages(torchrl_gspo.__path__, prefix="torchrl_gspo."):
         tests += finder.find(importlib.import_module(info.name))
     return sorted(tests, key=lambda test: test.name)
 

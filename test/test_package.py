@@ -23,24 +23,36 @@ def test_public_names_resolve():
 
 def _module_imports() -> dict[str, set[str]]:
     """Each package module's imports of other package modules, ``TYPE_CHECKING`` ones
-    and those inside functions included (``__init__`` stands for the package)."""
+    and those inside functions included; modules are named by their dotted path in the
+    package (``moe.routing``), a subpackage by its folder (``moe``), the package itself
+    ``__init__``."""
     root = Path(torchrl_gspo.__file__).parent
-    modules = {path.stem for path in root.glob("*.py")}
+    paths = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root).with_suffix("").parts
+        name = (
+            ".".join(parts[:-1]) if parts[-1] == "__init__" and len(parts) > 1 else ".".join(parts)
+        )
+        paths[name] = path
+
+    def resolve(dotted: str) -> str:
+        """A module name of the package for an absolute ``torchrl_gspo...`` name."""
+        inner = dotted.removeprefix("torchrl_gspo").lstrip(".")
+        while inner and inner not in paths:
+            inner = inner.rpartition(".")[0]
+        return inner or "__init__"
+
     graph = {}
-    for name in modules:
+    for name, path in paths.items():
         edges = set()
-        for node in ast.walk(ast.parse((root / f"{name}.py").read_text())):
+        for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
-                edges |= {
-                    a.name.split(".")[1] for a in node.names if a.name.startswith("torchrl_gspo.")
-                }
-            elif isinstance(node, ast.ImportFrom) and node.module == "torchrl_gspo":
-                edges |= {a.name if a.name in modules else "__init__" for a in node.names}
+                edges |= {resolve(a.name) for a in node.names if a.name.startswith("torchrl_gspo")}
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
-                "torchrl_gspo."
+                "torchrl_gspo"
             ):
-                edges.add(node.module.split(".")[1])
-        graph[name] = edges
+                edges |= {resolve(f"{node.module}.{a.name}") for a in node.names}
+        graph[name] = edges - {name}
     return graph
 
 
@@ -73,6 +85,7 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_no_import_cycle_between_package_modules():
     graph = _module_imports()
     assert graph["scores"] >= {"_reader", "_checks"}  # the reader sees the edges
+    assert graph["moe.routing"] >= {"moe._routers"} and "moe" in graph["__init__"]
     assert _cycle(graph) is None
 
 

@@ -15,7 +15,7 @@ import warnings
 
 import pytest
 import torch
-from llm_testing import allow_only, chatml_tokenizer, example, tiny_qwen
+from llm_testing import allow_only, chatml_tokenizer, example, tiny_qwen, training_wrapper
 from tensordict import TensorDict, lazy_stack
 from torchrl.modules.llm import TransformersWrapper
 from tqdm import tqdm
@@ -72,17 +72,6 @@ def setup():
             )
         )
     return tokenizer, model, lazy_stack(rows)
-
-
-def training_wrapper(model, tokenizer, pad_output=False):
-    return TransformersWrapper(
-        model,
-        tokenizer=tokenizer,
-        input_mode="tokens",
-        generate=False,
-        return_log_probs=True,
-        pad_output=pad_output,
-    )
 
 
 def with_old_log_probs(data, policy):

@@ -8,13 +8,19 @@ from __future__ import annotations
 
 from torchrl_gspo.diagnostics import SequenceStatistics
 from torchrl_gspo.distributed import GlobalBatchStepper, all_reduce_diagnostics, set_sequence_scale
-from torchrl_gspo.engine_routes import decode_sglang_routes, record_generation, routes_from_engine
 from torchrl_gspo.gmpo import GMPOLoss, GMPOLossOutput
 from torchrl_gspo.gspo import GSPOLoss, GSPOLossOutput, GSPOTokenLoss, GSPOTokenLossOutput
 from torchrl_gspo.luspo import LUSPOLoss, LUSPOLossOutput
+from torchrl_gspo.moe import (
+    RecordRoutes,
+    RoutingReplay,
+    decode_sglang_routes,
+    record_generation,
+    routes_from_engine,
+    routing_volatility,
+)
 from torchrl_gspo.recompute import RecomputeOldLogProbs
 from torchrl_gspo.rollout import RolloutCorrection, RolloutTerms, rollout_terms
-from torchrl_gspo.routing import RecordRoutes, RoutingReplay, routing_volatility
 from torchrl_gspo.sapo import SAPOLoss, SAPOLossOutput
 from torchrl_gspo.scores import Scores
 from torchrl_gspo.vespo import VESPOLoss, VESPOLossOutput
