@@ -419,6 +419,8 @@ def train(args: argparse.Namespace) -> dict:
     task = real_task(args)
     load_seconds = time.perf_counter() - start
     setup = engine_setup(args)
+    if args.segments is not None:
+        setup["loss_kwargs"] = {**setup["loss_kwargs"], "segments": args.segments}
     pipeline = gspo_toy.build_pipeline(args.loss, args, task=task, **setup)
     heldout = eval_problems(args)
 
@@ -471,6 +473,7 @@ def setting(args: argparse.Namespace, loss_fn) -> dict:
         "train_layers": args.train_layers,
         "clip_epsilon": [loss_fn.clip_epsilon_low.item(), loss_fn.clip_epsilon_high.item()],
         "aggregation": loss_fn.aggregation,
+        "segments": getattr(loss_fn, "segments", None),
     }
 
 
@@ -558,6 +561,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=engine_mismatch.CORRECTIONS,
         help="the rollout correction, with --engine corrected only (its default thresholds)",
     )
+    parser.add_argument(
+        "--segments",
+        type=_segments,
+        help="--loss sspo: K equal segments, or 'delimiters' (a segment ends after . , ; "
+        ": ! ? or a newline); default SubsequenceLoss'",
+    )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("outputs/gspo_real"))
@@ -579,8 +588,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"the task {args.task!r} has no test set: --eval-set validation")
     if not 1 <= args.heldout <= HELDOUT or args.eval_every < 1 or args.train_layers < 0:
         parser.error(f"--heldout within [1, {HELDOUT}], --eval-every >= 1, --train-layers >= 0")
+    if args.segments is not None and args.loss != "sspo":
+        parser.error("--segments applies to --loss sspo only")
     args.untie_head = False  # the toy's option, read by the shared pipeline
     return args
+
+
+def _segments(value: str) -> int | str:
+    """``--segments``: a number K >= 1 or ``delimiters``."""
+    if value == "delimiters":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"a number K >= 1 or 'delimiters', got {value!r}")
+    return int(value)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -122,6 +122,7 @@ from torchrl_gspo import (
     LUSPOLoss,
     RecomputeOldLogProbs,
     SAPOLoss,
+    SubsequenceLoss,
     VESPOLoss,
 )
 
@@ -137,6 +138,7 @@ FAMILY = {
     "gmpo": GMPOLoss,
     "sapo": SAPOLoss,
     "vespo": VESPOLoss,
+    "sspo": SubsequenceLoss,  # one ratio per segment (SSPO's subsentence ratio)
 }
 LOSSES = (*FAMILY, "grpo")
 

@@ -371,7 +371,7 @@ def test_example_runs_and_writes_its_files(tmp_path):
         gspo_toy.parse_args(["--minibatches", "3"])
 
 
-@pytest.mark.parametrize("name", ["luspo", "gmpo", "sapo", "vespo"])
+@pytest.mark.parametrize("name", ["luspo", "gmpo", "sapo", "vespo", "sspo"])
 def test_example_trains_each_objective_of_the_family(name, tmp_path):
     """examples/gspo_toy.py --loss NAME: one collected batch, four updates, through
     TorchRL's GRPOTrainer, with the objective's own diagnostic logged."""

@@ -27,6 +27,7 @@ from torchrl.modules.llm import TransformersWrapper
 from torchrl.modules.llm.policies import ChatHistory
 
 from torchrl_gspo import GSPOLoss, GSPOTokenLoss, RecomputeOldLogProbs
+from torchrl_gspo.segments import delimiter_token_ids
 
 gspo_real = example("gspo_real")
 gspo_toy = example("gspo_toy")
@@ -441,3 +442,22 @@ def test_sft_mask_is_the_sampled_tokens_of_each_turn(real):
         histories = data["history"].full.unbind(0)
         prompts = lazy_stack([TensorDict(history=ChatHistory(prompt=h)) for h in histories])
     assert any(endings) and not all(endings)
+
+
+# (token, its id in SmolLM2's byte-level vocabulary) for tokens whose text ends with one
+# of SubsequenceLoss' default delimiters, and for tokens that do not
+REAL_DELIMITERS = [(".", 30), (",", 28), (";", 43), (":", 42), ("!", 17), ("?", 47),
+                   ("Ċ", 198), ("ĊĊ", 1116), ("),", 643), ("...", 2026), ("Ġ.", 1673)]  # fmt: skip
+REAL_OTHERS = [("Ġthe", 260), ("Ġ", 216), ("the", 1195), ("1", 33)]
+
+
+def test_delimiter_token_ids_on_the_real_tokenizer(real):
+    """Every id whose decoded text ends with . , ; : ! ? or a newline, by id."""
+    _, tokenizer = real
+    ids = delimiter_token_ids(tokenizer)
+    assert ids == sorted(set(ids))
+    for token, expected in REAL_DELIMITERS + REAL_OTHERS:
+        assert tokenizer.convert_tokens_to_ids(token) == expected
+    assert all(i in ids for _, i in REAL_DELIMITERS)
+    assert not any(i in ids for _, i in REAL_OTHERS)
+    assert all(tokenizer.decode([i])[-1] in ".,;:!?\n" for i in ids)

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from torchrl_gspo.diagnostics import SequenceStatistics
+from torchrl_gspo.diagnostics import SegmentTerms, SequenceStatistics
 from torchrl_gspo.distributed import GlobalBatchStepper, all_reduce_diagnostics, set_sequence_scale
 from torchrl_gspo.gmpo import GMPOLoss, GMPOLossOutput
 from torchrl_gspo.gspo import GSPOLoss, GSPOLossOutput, GSPOTokenLoss, GSPOTokenLossOutput
@@ -23,6 +23,7 @@ from torchrl_gspo.recompute import RecomputeOldLogProbs
 from torchrl_gspo.rollout import RolloutCorrection, RolloutTerms, rollout_terms
 from torchrl_gspo.sapo import SAPOLoss, SAPOLossOutput
 from torchrl_gspo.scores import Scores
+from torchrl_gspo.subsequence import SubsequenceLoss, SubsequenceLossOutput
 from torchrl_gspo.vespo import VESPOLoss, VESPOLossOutput
 
 __version__ = "0.3.0.dev0"
@@ -45,7 +46,10 @@ __all__ = [
     "SAPOLoss",
     "SAPOLossOutput",
     "Scores",
+    "SegmentTerms",
     "SequenceStatistics",
+    "SubsequenceLoss",
+    "SubsequenceLossOutput",
     "VESPOLoss",
     "VESPOLossOutput",
     "all_reduce_diagnostics",

@@ -43,6 +43,8 @@ class Options(NamedTuple):
         tokenizer: the actor's tokenizer, to name a cause in an error, or ``None``.
         input_mode: the actor's input mode (``"history"``, ``"text"``, ``"tokens"``),
             to name a cause in an error, or ``None``.
+        token_inputs: the keys of the per-token inputs the objective reads besides
+            the log-probabilities (:attr:`~torchrl_gspo.Scores.inputs`).
     """
 
     owner: str
@@ -58,6 +60,7 @@ class Options(NamedTuple):
     advantage_level: str
     tokenizer: Any
     input_mode: str | None = None
+    token_inputs: tuple = ()
 
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:

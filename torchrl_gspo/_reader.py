@@ -37,6 +37,8 @@ class Batch(NamedTuple):
         ref: ``[B, T]`` reference log-probabilities when ``kl_to_ref_coeff`` is set.
         response_lengths: ``[B]`` lengths of the sampled responses when the
             response-mask check applies, else ``None``.
+        inputs: ``[B, T]`` the objective's per-token inputs, one per key of
+            ``Options.token_inputs``, left-padded with 0.
     """
 
     old: torch.Tensor
@@ -46,6 +48,7 @@ class Batch(NamedTuple):
     scale: torch.Tensor | None
     ref: torch.Tensor | None
     response_lengths: torch.Tensor | None
+    inputs: tuple[torch.Tensor, ...] = ()
 
 
 def _rows(tensordict: TensorDictBase) -> list[TensorDictBase] | None:
@@ -148,6 +151,10 @@ def read_batch(tensordict: TensorDictBase, options: Options) -> Batch:
         ),
         ref=_read_ref(tensordict, rows, options),
         response_lengths=_response_lengths(rows, options, sample.device),
+        inputs=tuple(
+            _token_input(tensordict, rows, key, tokens, lengths, options)
+            for key in options.token_inputs
+        ),
     )
 
 
@@ -169,6 +176,36 @@ def _read_old(tensordict: TensorDictBase, rows, tokens, lengths, options: Option
             "loss at their key with loss.set_keys(old_log_prob=...)."
         )
     return None
+
+
+def _token_input(tensordict: TensorDictBase, rows, key, tokens, lengths, options: Options):
+    """``[B, T]`` an integer per-token input of the objective, left-padded with 0."""
+    values = tokens if key == options.keys.action else _read(tensordict, rows, key, options)
+    name = options.owner
+    if values is None:
+        raise KeyError(
+            f"{name} reads a per-token input at {key!r}, which is missing: write one "
+            f"value per token of {options.keys.action!r} there, or point the loss at its "
+            f"key with loss.set_keys(...)."
+        )
+    shapes = [v.shape for v in values] if lengths is not None else [values.shape]
+    expected = [(n,) for n in lengths] if lengths is not None else [tokens.shape]
+    wrong = [i for i, (a, b) in enumerate(zip(shapes, expected, strict=True)) if a != b]
+    if wrong:
+        where = f"batch row(s) {wrong}: shapes " if lengths is not None else "shape "
+        raise ValueError(
+            f"{name}: the per-token input at {key!r} has {where}"
+            f"{[tuple(shapes[i]) for i in wrong]} but the log-probabilities have "
+            f"{[tuple(expected[i]) for i in wrong]} (the tokens at {options.keys.action!r}). "
+            "Store one value per token of each row, laid out as the tokens are."
+        )
+    dtype = (values if lengths is None else values[0]).dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise TypeError(
+            f"{name}: the per-token input at {key!r} has dtype {dtype}; it must hold "
+            "integers (e.g. segment ids as torch.long): convert it with .long()."
+        )
+    return _pad(values, 0)
 
 
 def _required(tensordict: TensorDictBase, rows, options: Options) -> tuple:

@@ -16,7 +16,7 @@ from torchrl.objectives.llm.grpo import LLMLossOutput
 from torchrl_gspo import _arguments
 from torchrl_gspo.rollout import RolloutTerms
 
-__all__ = ["SequenceDiagnosticsOutput", "SequenceStatistics"]
+__all__ = ["SegmentTerms", "SequenceDiagnosticsOutput", "SequenceStatistics"]
 
 PREFIX = "stat_"
 # How each field combines over micro-batches and ranks; the others are sums.
@@ -31,14 +31,38 @@ _ROLLOUT = (
     "rollout_max_abs",
 )
 _LAG = ("lag_sum", "lag_max")
-_NEWER = _LAG + ("objective_sum", "off_policy_masked")  # not in 0.2's layout
+_SEGMENTS = ("segments", "clipped_segments", "whole_clipped", "kl_to_old_sum")
+_NEWER = _LAG + ("objective_sum", "off_policy_masked") + _SEGMENTS  # not in 0.2's layout
 # the fields set only in some calls, each group all set or all None
 _OPTIONAL = {
     "rollout": _ROLLOUT,
     "policy lag": _LAG,
     "objective": ("objective_sum",),
     "off-policy mask": ("off_policy_masked",),
+    "segment": _SEGMENTS,
 }
+
+
+class SegmentTerms(NamedTuple):
+    r"""Per-row counts of an objective with one ratio per segment, for its statistics.
+
+    Each field is ``[B]``; a segment is clipped when its log-ratio leaves its own
+    clip range (:class:`~torchrl_gspo.SubsequenceLoss`).
+
+    Attributes:
+        low_tokens: the valid tokens in segments below their range.
+        high_tokens: the valid tokens in segments above their range.
+        segments: the segments that hold a valid token.
+        clipped: how many of them are clipped.
+        kl_to_old: the mean over the row's valid tokens of
+            :math:`(r_t - 1) - \log r_t`, :math:`r_t = \pi_\theta / \pi_\text{old}`.
+    """
+
+    low_tokens: torch.Tensor
+    high_tokens: torch.Tensor
+    segments: torch.Tensor
+    clipped: torch.Tensor
+    kl_to_old: torch.Tensor
 
 
 def world_size(group: dist.ProcessGroup | None) -> int:
@@ -69,8 +93,10 @@ class SequenceStatistics(NamedTuple):
     its ``stat_*`` fields (:meth:`from_output`). The ``rollout_*`` fields are
     ``None`` unless the old log-probabilities were recomputed, the ``lag_*`` fields
     unless the loss reports the policy lag, ``objective_sum`` unless the objective
-    has a diagnostic of its own (:doc:`/objectives`) and ``off_policy_masked`` unless
-    off-policy sequence masking is on.
+    has a diagnostic of its own (:doc:`/objectives`), ``off_policy_masked`` unless
+    off-policy sequence masking is on, and the segment fields unless the objective
+    has one ratio per segment (:class:`~torchrl_gspo.SubsequenceLoss`, whose
+    ``low_tokens`` and ``high_tokens`` count the tokens of clipped segments).
 
     Attributes:
         tokens: :math:`\sum_i |y_i|`.
@@ -99,6 +125,10 @@ class SequenceStatistics(NamedTuple):
         objective_sum: the sum over valid tokens of the objective's own per-token
             diagnostic value (:doc:`/objectives`).
         off_policy_masked: the valid tokens that off-policy sequence masking drops.
+        segments: :math:`\sum_i K_i`, the segments that hold a valid token.
+        clipped_segments: how many of them are clipped.
+        whole_clipped: the sequences whose every segment is clipped.
+        kl_to_old_sum: :math:`\sum_i \frac{1}{|y_i|}\sum_t (r_{i,t} - 1 - \log r_{i,t})`.
 
     Examples:
         >>> import torch
@@ -138,6 +168,10 @@ class SequenceStatistics(NamedTuple):
     lag_max: torch.Tensor | None = None
     objective_sum: torch.Tensor | None = None
     off_policy_masked: torch.Tensor | None = None
+    segments: torch.Tensor | None = None
+    clipped_segments: torch.Tensor | None = None
+    whole_clipped: torch.Tensor | None = None
+    kl_to_old_sum: torch.Tensor | None = None
 
     @classmethod
     def of(
@@ -149,6 +183,7 @@ class SequenceStatistics(NamedTuple):
         lag: torch.Tensor | None = None,
         objective: torch.Tensor | None = None,
         masked: torch.Tensor | None = None,
+        segments: SegmentTerms | None = None,
     ) -> SequenceStatistics:
         """The statistics of one batch.
 
@@ -166,6 +201,8 @@ class SequenceStatistics(NamedTuple):
                 objective's per-token diagnostic values.
             masked (torch.Tensor, optional): ``[B]`` each row's valid tokens dropped
                 by off-policy sequence masking.
+            segments (SegmentTerms, optional): an objective's per-segment counts;
+                its clipped tokens replace those of the sequences.
 
         Returns:
             SequenceStatistics: in the dtype of ``log_ratio``.
@@ -183,6 +220,8 @@ class SequenceStatistics(NamedTuple):
         lse = torch.stack([weights, 2 * weights]).logsumexp(-1)
         stats = cls(*sums.unbind(), log_ratio.abs().amax(), *lse.unbind())
         stats = stats._replace(**_optional_sums(nonempty, log_ratio, lag, objective, masked))
+        if segments is not None:
+            stats = stats._replace(**_segment_sums(nonempty, log_ratio.dtype, segments))
         if rollout is None:
             return stats
         clip = (rollout.log_ratio < low) | (rollout.log_ratio > high)
@@ -298,6 +337,13 @@ class SequenceStatistics(NamedTuple):
             out["objective_diagnostic"] = self.objective_sum / tokens
         if self.off_policy_masked is not None:
             out["off_policy_masked_fraction"] = self.off_policy_masked / tokens
+        if self.segments is not None:
+            out.update(
+                segment_clip_fraction=self.clipped_segments / self.segments.clamp_min(1),
+                whole_clip_fraction=self.whole_clipped / sequences,
+                segments_per_sequence=self.segments / sequences,
+                kl_to_old=self.kl_to_old_sum / sequences,
+            )
         return out
 
     def fields(self) -> dict[str, torch.Tensor]:
@@ -345,6 +391,21 @@ def _optional_sums(nonempty, log_ratio, lag, objective, masked) -> dict[str, tor
     return out
 
 
+def _segment_sums(nonempty, dtype, terms: SegmentTerms) -> dict[str, torch.Tensor]:
+    """The segment statistics and the clipped tokens, summed over non-empty rows."""
+    values = torch.stack([v.to(dtype) for v in terms])
+    low, high, segments, clipped, kl = torch.where(nonempty, values, 0.0).sum(-1).unbind()
+    whole = (nonempty & (terms.clipped == terms.segments)).sum().to(dtype)
+    return {
+        "low_tokens": low,
+        "high_tokens": high,
+        "segments": segments,
+        "clipped_segments": clipped,
+        "whole_clipped": whole,
+        "kl_to_old_sum": kl,
+    }
+
+
 class SequenceDiagnosticsOutput(LLMLossOutput):
     clip_fraction_low: torch.Tensor | None = None
     clip_fraction_high: torch.Tensor | None = None
@@ -361,6 +422,10 @@ class SequenceDiagnosticsOutput(LLMLossOutput):
     policy_lag_max: torch.Tensor | None = None
     objective_diagnostic: torch.Tensor | None = None
     off_policy_masked_fraction: torch.Tensor | None = None
+    segment_clip_fraction: torch.Tensor | None = None
+    whole_clip_fraction: torch.Tensor | None = None
+    segments_per_sequence: torch.Tensor | None = None
+    kl_to_old: torch.Tensor | None = None
     stat_tokens: torch.Tensor | None = None
     stat_log_ratio_sum: torch.Tensor | None = None
     stat_low_tokens: torch.Tensor | None = None
@@ -383,6 +448,10 @@ class SequenceDiagnosticsOutput(LLMLossOutput):
     stat_lag_max: torch.Tensor | None = None
     stat_objective_sum: torch.Tensor | None = None
     stat_off_policy_masked: torch.Tensor | None = None
+    stat_segments: torch.Tensor | None = None
+    stat_clipped_segments: torch.Tensor | None = None
+    stat_whole_clipped: torch.Tensor | None = None
+    stat_kl_to_old_sum: torch.Tensor | None = None
 
     @property
     def statistics(self) -> SequenceStatistics:

@@ -64,6 +64,9 @@ Attributes:
     objective_diagnostic, off_policy_masked_fraction (torch.Tensor): a variant's own
         diagnostic (:doc:`/objectives`) and the share of tokens off-policy sequence
         masking dropped, when they apply.
+    segment_clip_fraction, whole_clip_fraction, segments_per_sequence,
+        kl_to_old (torch.Tensor): the segments' diagnostics of
+        :class:`~torchrl_gspo.SubsequenceLoss`.
     stat_* (torch.Tensor): the :class:`~torchrl_gspo.SequenceStatistics` the
         diagnostics are computed from (``out.statistics``).
 
@@ -343,7 +346,8 @@ class GSPOLoss(GRPOLoss):
             keep = off_policy_keep(scores, self.off_policy_mask_threshold)
         weight = loss_weight(batch.scale, rollout, keep)
         terms = self._objective(scores)  # the variant hook
-        terms, diagnostic = terms if isinstance(terms, tuple) else (terms, None)
+        parts = terms if isinstance(terms, tuple) else (terms,)
+        terms, diagnostic, segments = (*parts, None, None)[:3]
         stats = SequenceStatistics.of(
             scores.log_ratio.detach(),
             scores.lengths,
@@ -352,6 +356,7 @@ class GSPOLoss(GRPOLoss):
             lag,
             objective=None if diagnostic is None else diagnostic.detach().sum(-1),
             masked=None if keep is None else dropped_tokens(scores, keep),
+            segments=segments,
         )
         aggregation_mask = self._kl_filter(scores)
         out = {
@@ -362,23 +367,29 @@ class GSPOLoss(GRPOLoss):
         }
         return self.output_type.from_tensordict(TensorDict(out, batch_size=[]))
 
-    def _objective(self, scores: Scores) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def _objective(self, scores: Scores) -> torch.Tensor | tuple:
         """The loss terms of the objective: the hook a variant overrides (:doc:`/design`).
 
         Args:
             scores (Scores): the batch scored by the current policy.
 
         Returns:
-            torch.Tensor | tuple[torch.Tensor, torch.Tensor]: the loss terms per
-            sequence, ``[B, 1, 1]``, or per token, ``[B, T, 1]``; or the terms and
-            the objective's own diagnostic, ``[B, T]`` per-token values, 0 off the
-            mask, computed in the same pass. Here GRPOLoss' clipped surrogate on
-            :math:`\\log s_i`, without a diagnostic.
+            torch.Tensor | tuple: the loss terms per sequence, ``[B, 1, 1]``, or per
+            token, ``[B, T, 1]``; or the terms and the objective's own diagnostic,
+            ``[B, T]`` per-token values, 0 off the mask (or ``None``), computed in
+            the same pass; or those two and the
+            :class:`~torchrl_gspo.SegmentTerms` of an objective with one ratio per
+            segment. Here GRPOLoss' clipped surrogate on :math:`\\log s_i`, without
+            a diagnostic.
         """
         log_ratio = scores.log_ratio  # -inf (a token of probability 0): the lowest float
         log_ratio = log_ratio.clamp(torch.finfo(log_ratio.dtype).min, self.max_log_ratio)
         loss, _ = self._compute_policy_objective(log_ratio.reshape(-1, 1, 1), scores.advantage)
         return loss
+
+    def _token_inputs(self) -> tuple[NestedKey, ...]:
+        """The keys of the per-token inputs the objective reads (:attr:`Scores.inputs`)."""
+        return ()
 
     def _options(self) -> _arguments.Options:
         """The options that reading, scoring and checking a batch read, at this call."""
@@ -396,6 +407,7 @@ class GSPOLoss(GRPOLoss):
             advantage_level=self.advantage_level,
             tokenizer=getattr(self.actor_network, "tokenizer", None),
             input_mode=getattr(self.actor_network, "input_mode", None),
+            token_inputs=self._token_inputs(),
         )
 
     def _accumulation_dtype(self, current: torch.dtype, old: torch.dtype) -> torch.dtype:

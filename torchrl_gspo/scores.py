@@ -41,6 +41,9 @@ class Scores(NamedTuple):
             sequence's valid tokens.
         advantage: ``[B, 1, 1]`` (one per sequence) or ``[B, T, 1]`` (per token,
             :class:`~torchrl_gspo.GSPOTokenLoss`).
+        inputs: ``[B, T]`` the per-token integer inputs an objective asks for
+            (``_token_inputs``, :doc:`/design`), in its order, as stored (not
+            masked); empty for the others.
 
     Examples:
         >>> import torch
@@ -63,6 +66,7 @@ class Scores(NamedTuple):
     token_log_ratio: torch.Tensor
     log_ratio: torch.Tensor
     advantage: torch.Tensor
+    inputs: tuple[torch.Tensor, ...] = ()
 
 
 def score(
@@ -97,7 +101,9 @@ def score(
     advantage, varies = batch.advantage, None
     if options.advantage_level == "sequence" and advantage.shape[-2] > 1:
         advantage, varies = sequence_advantage(advantage, mask)
-    scores = Scores(masked, old, rollout, mask, lengths, token_log_ratio, log_ratio, advantage)
+    scores = Scores(
+        masked, old, rollout, mask, lengths, token_log_ratio, log_ratio, advantage, batch.inputs
+    )
     _checks.check_scored(options.owner, _rules(options, batch, valid, kept, scores, varies))
     return scores
 

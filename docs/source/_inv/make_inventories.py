@@ -37,6 +37,8 @@ INVENTORIES: dict[str, tuple[str, str, list[tuple[str, str, str]]]] = {
         [
             ("bool", "py:class", "library/functions.html#$"),
             ("collections.abc.Callable", "py:class", "library/collections.abc.html#$"),
+            ("collections.abc.Collection", "py:class", "library/collections.abc.html#$"),
+            ("collections.abc.Iterable", "py:class", "library/collections.abc.html#$"),
             ("collections.abc.Iterator", "py:class", "library/collections.abc.html#$"),
             ("collections.abc.Sequence", "py:class", "library/collections.abc.html#$"),
             ("dict", "py:class", "library/stdtypes.html#$"),
