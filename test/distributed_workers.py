@@ -30,6 +30,7 @@ from torchrl_gspo import (
     GlobalBatchStepper,
     GSPOLoss,
     SequenceStatistics,
+    SubsequenceLoss,
     all_reduce_diagnostics,
     set_sequence_scale,
 )
@@ -80,6 +81,10 @@ def _bigram(spec: dict, rank: int, dtype: torch.dtype) -> dict:
             glob = all_reduce_diagnostics(out)
             results["diagnostics"] = {k: getattr(glob, k) for k in names}
             results["local_diagnostics"] = {k: getattr(out, k) for k in names}
+    # a subsequence objective's segment statistics, reduced over the ranks
+    actor = DDPBigramActor(dtype=dtype, seed=spec["seed"])
+    out = build_loss(SubsequenceLoss, actor, clip_epsilon=spec["eps"], segments=2)(lazy_batch(rows))
+    results["segment_diagnostics"] = all_reduce_diagnostics(out).statistics.fields()
     # gradient accumulation over this rank's micro-batches (unequal sizes), under DDP
     actor = DDPBigramActor(dtype=dtype, seed=spec["seed"])
     cuts = spec["micro"][rank]

@@ -25,7 +25,7 @@ from gspo_testing import BigramActor, build_loss, lazy_batch, make_rows
 from llm_testing import EXAMPLES, tiny_qwen, training_wrapper, word_tokenizer
 from tensordict import TensorDict, lazy_stack
 
-from torchrl_gspo import GSPOLoss, RecomputeOldLogProbs
+from torchrl_gspo import GSPOLoss, RecomputeOldLogProbs, SubsequenceLoss
 
 pytestmark = pytest.mark.distributed
 
@@ -108,10 +108,10 @@ def _run(world: int, tmp_path: Path, qwen: bool) -> list[dict]:
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)], spec
 
 
-def _union_grad(rows, dtype, **kwargs):
+def _union_grad(rows, dtype, loss_cls=GSPOLoss, **kwargs):
     actor = BigramActor(dtype=dtype, seed=3)
     rows = [{k: v.to(dtype) if v.is_floating_point() else v for k, v in r.items()} for r in rows]
-    out = build_loss(GSPOLoss, actor, clip_epsilon=EPS, **kwargs)(lazy_batch(rows))
+    out = build_loss(loss_cls, actor, clip_epsilon=EPS, **kwargs)(lazy_batch(rows))
     return torch.autograd.grad(out.loss_objective, actor.table)[0], out
 
 
@@ -120,6 +120,10 @@ def _check_bigram(results, spec, world):
     for dtype, name in ((torch.float64, "bigram64"), (torch.float32, "bigram32")):
         tol = TOL[dtype]
         expected, union_out = _union_grad(rows, dtype)
+        _, segment_out = _union_grad(rows, dtype, SubsequenceLoss, segments=2)
+        segment_fields = segment_out.statistics.fields()
+        if dtype == torch.float64:  # (the float32 actor is another table: all clipped)
+            assert 0 < segment_fields["segment_clip_fraction"] < 1
         # option off: DDP averages the ranks' per-rank means, (1/R) sum_r grad(mean_r)
         local = [_union_grad(rows[split[r] : split[r + 1]], dtype)[0] for r in range(world)]
         documented = sum(local) / world
@@ -138,6 +142,10 @@ def _check_bigram(results, spec, world):
                 union = getattr(union_out, key).detach()
                 torch.testing.assert_close(value, union, rtol=tol, atol=tol)
                 torch.testing.assert_close(r["combined"][key], union, rtol=tol, atol=tol)
+            # the segment statistics of SubsequenceLoss: those of the union batch
+            assert set(r["segment_diagnostics"]) == set(segment_fields)
+            for key, value in r["segment_diagnostics"].items():
+                torch.testing.assert_close(value, segment_fields[key], rtol=tol, atol=tol)
             # each rank logs its share of the loss; their sum over R is the global loss
             shares = sum(result[name]["stepper_loss_share"] for result in results) / world
             torch.testing.assert_close(

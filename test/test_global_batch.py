@@ -16,6 +16,7 @@ from torchrl_gspo import (
     GlobalBatchStepper,
     GSPOLoss,
     GSPOTokenLoss,
+    SubsequenceLoss,
     all_reduce_diagnostics,
     set_sequence_scale,
 )
@@ -42,7 +43,7 @@ def micro_batches(kind, rows):
     return [make(rows[a:b]) for a, b in zip(CUTS[:-1], CUTS[1:], strict=True)]
 
 
-@pytest.mark.parametrize("loss_cls", [GSPOLoss, GSPOTokenLoss])
+@pytest.mark.parametrize("loss_cls", [GSPOLoss, GSPOTokenLoss, SubsequenceLoss])
 @pytest.mark.parametrize("kind", ["lazy", "dense"])
 def test_accumulation_over_unequal_micro_batches_is_the_full_batch_gradient(loss_cls, kind):
     actor = BigramActor()

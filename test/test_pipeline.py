@@ -20,7 +20,7 @@ from tensordict import TensorDict, lazy_stack
 from torchrl.modules.llm import TransformersWrapper
 from tqdm import tqdm
 
-from torchrl_gspo import GSPOLoss, RecomputeOldLogProbs
+from torchrl_gspo import GSPOLoss, KLEarlyStop, RecomputeOldLogProbs
 
 ANSWERS = "abcdefgh"  # what a sampled response may hold, besides end-of-turn
 gspo_toy = example("gspo_toy")
@@ -558,3 +558,29 @@ def test_pad_token_equal_to_eos_loses_the_sampled_eos():
     responses = _sample_with_eos_bias(same, model)
     stopped = [r for r in responses if r.numel() < 8]
     assert stopped and all(int(r[-1]) == same.eos_token_id for r in stopped)
+
+
+def test_kl_early_stop_under_grpo_trainer():
+    """KLEarlyStop on the toy's GRPOTrainer, 2 epochs of 4 minibatches per batch, 2
+    batches: the first minibatch is on-policy (kl_to_old about 0), the second's
+    kl_to_old exceeds delta after one Adam step, so it is each batch's last update and
+    the other 6 of the batch's 8 are skipped; the next batch updates again. The updates
+    are counted by an independent optimizer hook."""
+    args = pipeline_args(steps=2, minibatches=4)
+    pipeline = gspo_toy.build_pipeline("sspo", args)
+    pipeline.trainer.num_epochs = 2
+    stop = KLEarlyStop(delta=1e-6)
+    stop.register(pipeline.trainer)
+    kls, steps = [], []
+    pipeline.loss_fn.register_forward_hook(lambda m, a, out: kls.append(float(out.kl_to_old)))
+    pipeline.trainer.optimizer.register_step_post_hook(lambda *_: steps.append(1))
+    pipeline.trainer.train()
+    assert len(steps) == stop.updates == 2 * 2  # 2 updates per batch, of 2 x 4
+    assert stop.stops == 2 * 2  # each batch's two epochs were cut short
+    assert len(kls) == 4 and kls[0] < 1e-6 < kls[1] and kls[2] < 1e-6 < kls[3]
+    gspo = gspo_toy.build_pipeline("gspo", pipeline_args(steps=1))
+    KLEarlyStop(0.01).register(gspo.trainer)
+    with pytest.raises(KeyError, match="GSPOLoss does not report: SubsequenceLoss does"):
+        gspo.trainer.train()
+    with pytest.raises(ValueError, match="delta must be > 0"):
+        KLEarlyStop(0.0)

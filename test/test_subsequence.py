@@ -15,6 +15,7 @@ import pytest
 import torch
 from gspo_testing import BigramActor, build_loss, dense_batch, lazy_batch, make_rows, padded
 from test_gspo import _graphs
+from test_rollout import decoupled_batch, decoupled_rows
 from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
@@ -120,9 +121,15 @@ def groups_of(segments, tokens, ids, valid):
 
 def oracle(actor, rows, segments, combination, normalize, eps, exponent):
     """The loss (prompt_mean), and per segment (clipped below, clipped above, length)."""
+    terms, segment_stats = oracle_rows(actor, rows, segments, combination, normalize, eps, exponent)
+    return terms.mean(), segment_stats
+
+
+def oracle_rows(actor, rows, segments, combination, normalize, eps, exponent):
+    """Each row's term (0 for an empty row), and its segments' statistics."""
     current, old, mask, advantage = inputs(actor, rows)
     tokens = padded(rows, "tokens", 0)
-    ids = padded([{"x": v} for v in segment_ids(rows)], "x", 0)
+    ids = padded([{"x": v} for v in segment_ids(rows)], "x", 0) if segments == "key" else None
     terms, segment_stats = [], []
     for i in range(len(rows)):
         valid = mask[i].nonzero().flatten().tolist()
@@ -131,7 +138,7 @@ def oracle(actor, rows, segments, combination, normalize, eps, exponent):
             terms.append(current.new_zeros(()))
             continue
         row_term, ratio, bound, stats = 0.0, 1.0, 1.0, []
-        for group in groups_of(segments, tokens[i], ids[i], valid):
+        for group in groups_of(segments, tokens[i], None if ids is None else ids[i], valid):
             length = len(group)
             log_r = sum(current[i, t] - old[i, t] for t in group)
             log_r = log_r / length if normalize else log_r
@@ -146,7 +153,7 @@ def oracle(actor, rows, segments, combination, normalize, eps, exponent):
             row_term = -torch.minimum(a * ratio, a * bound)
         terms.append(row_term)
         segment_stats.append(stats)
-    return torch.stack(terms).mean(), segment_stats
+    return torch.stack(terms), segment_stats
 
 
 def assert_segment_diagnostics(out, stats, actor, rows):
@@ -290,6 +297,35 @@ def test_statistics_of_two_micro_batches_are_those_of_the_batch():
     for name, value in stats.fields().items():
         close(value, expected[name])
     assert "kl_to_old" in expected and "stat_segments" in expected
+
+
+def test_rollout_correction_and_off_policy_masking_weigh_each_response():
+    """Recomputed old log-probs: the ratio is against them, each response's term is
+    weighted by min(rho_i, C), rho_i = exp(mean_t log pi_old / pi_roll), and a term with
+    a negative advantage is dropped when mean_t (log pi_roll - log pi_theta) > delta."""
+    actor = BigramActor()
+    rows = decoupled_rows(actor, seed=2, mismatch=1e-3)
+    cap, delta = 1.0002, 0.0
+    for kind in ("lazy", "dense"):
+        out = SubsequenceLoss(
+            actor,
+            segments=2,
+            rollout_correction="truncate",
+            rollout_correction_threshold=cap,
+            off_policy_mask_threshold=delta,
+            entropy_bonus=False,
+        )(decoupled_batch(kind, rows))
+        terms, _ = oracle_rows(actor, rows, 2, "segment", True, (3e-4, 4e-4), 0.5)
+        current, old, mask, advantage = inputs(actor, rows)
+        rollout = torch.where(mask, padded(rows, "rollout", 0.0), 0.0)
+        n = mask.sum(-1).clamp(min=1)
+        weight = (((old - rollout).sum(-1) / n).exp()).clamp(max=cap)
+        drift = (rollout - current.detach()).sum(-1) / n
+        keep = (advantage >= 0) | (drift <= delta)
+        assert (weight < cap).any() and (weight == cap).any() and not keep.all()
+        expected = (weight * keep * terms).mean()
+        close(out.loss_objective, expected)
+        close(grad(out.loss_objective, actor), grad(expected, actor))
 
 
 def test_per_token_advantages_that_vary_are_refused_as_by_gspo():

@@ -24,6 +24,7 @@ from torchrl_gspo.rollout import RolloutCorrection, RolloutTerms, rollout_terms
 from torchrl_gspo.sapo import SAPOLoss, SAPOLossOutput
 from torchrl_gspo.scores import Scores
 from torchrl_gspo.subsequence import SubsequenceLoss, SubsequenceLossOutput
+from torchrl_gspo.trust_region import KLEarlyStop
 from torchrl_gspo.vespo import VESPOLoss, VESPOLossOutput
 
 __version__ = "0.3.0.dev0"
@@ -36,6 +37,7 @@ __all__ = [
     "GSPOLossOutput",
     "GSPOTokenLoss",
     "GSPOTokenLossOutput",
+    "KLEarlyStop",
     "LUSPOLoss",
     "LUSPOLossOutput",
     "RecomputeOldLogProbs",

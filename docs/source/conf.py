@@ -209,6 +209,7 @@ _PUBLIC_PATHS = {
     "torch.distributed.distributed_c10d.ProcessGroup": "torch.distributed.ProcessGroup",
     "torch.optim.optimizer.Optimizer": "torch.optim.Optimizer",
     "torchrl.trainers.trainers.OptimizationStepper": "torchrl.trainers.OptimizationStepper",
+    "torchrl.trainers.trainers.TrainerHookBase": "torchrl.trainers.TrainerHookBase",
     "Trainer": "torchrl.trainers.Trainer",
     "nn.Module": "torch.nn.Module",
     "torch.nn.modules.module.Module": "torch.nn.Module",

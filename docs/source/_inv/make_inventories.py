@@ -110,6 +110,7 @@ INVENTORIES: dict[str, tuple[str, str, list[tuple[str, str, str]]]] = {
                 "torchrl.trainers.MixedPrecisionOptimizationStepper",
                 "torchrl.trainers.OptimizationStepper",
                 "torchrl.trainers.Trainer",
+                "torchrl.trainers.TrainerHookBase",
                 "torchrl.trainers.algorithms.grpo.GRPOTrainer",
             )
         ]
