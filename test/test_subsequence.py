@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
 from torchrl_gspo import GSPOLoss, SequenceStatistics, SubsequenceLoss
-from torchrl_gspo.segments import delimiter_token_ids, equal_segments
+from torchrl_gspo.segments import delimiter_token_ids, equal_bounds
 
 TOL = 1e-12
 DELIMITERS = (9, 10)
@@ -337,14 +337,12 @@ def test_per_token_advantages_that_vary_are_refused_as_by_gspo():
         SubsequenceLoss(actor, entropy_bonus=False)(batch)
 
 
-def test_equal_segments_sizes():
+def test_equal_bounds_sizes():
     """n valid tokens in K parts: the first n mod K one longer; fewer than K: one each."""
-    mask = torch.zeros(4, 9, dtype=torch.bool)
-    for row, n in enumerate((9, 7, 2, 0)):
-        mask[row, 9 - n :] = True
-    index = equal_segments(mask, 4)
-    sizes = [torch.bincount(index[row][mask[row]], minlength=4).tolist() for row in range(4)]
+    bounds = equal_bounds(torch.tensor([9, 7, 2, 0]), 4)
+    sizes = (bounds[:, 1:] - bounds[:, :-1]).tolist()
     assert sizes == [[3, 2, 2, 2], [2, 2, 2, 1], [1, 1, 0, 0], [0, 0, 0, 0]]
+    assert bounds[:, 0].eq(0).all() and bounds[:, -1].tolist() == [9, 7, 2, 0]
 
 
 # ---------------------------------------------------------------------------------

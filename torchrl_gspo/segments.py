@@ -6,8 +6,10 @@
 
 Every function works on the loss' ``[B, T]`` layout (left-padded, a loss mask with
 possible holes) with cumulative sums and scatters: no Python loop over rows or
-segments. A segment index is ``[B, T]``, counting a row's segments from 0 on its
-valid tokens (and 0 off the mask, where no value is summed).
+segments. :math:`K` equal segments are given by their bounds (:func:`equal_bounds`),
+so that their sums are ``[B, K]``; the other ways give a segment index, ``[B, T]``,
+counting a row's segments from 0 on its valid tokens (and 0 off the mask, where no
+value is summed), whose sums are ``[B, T]``.
 """
 
 from __future__ import annotations
@@ -16,40 +18,71 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["delimiter_token_ids", "delimiter_segments", "equal_segments", "id_segments"]
+__all__ = [
+    "bounded_sums",
+    "delimiter_segments",
+    "delimiter_token_ids",
+    "equal_bounds",
+    "id_segments",
+    "segment_sums",
+]
 
 DELIMITERS = ".,;:!?\n"
 
 
-def equal_segments(mask: torch.Tensor, count: int) -> torch.Tensor:
-    """``count`` nearly equal segments of each row's valid tokens.
+def equal_bounds(lengths: torch.Tensor, count: int) -> torch.Tensor:
+    r"""Where ``count`` nearly equal segments of each row's valid tokens start and end.
 
-    With :math:`n` valid tokens, the first :math:`n \\bmod K` segments hold
-    :math:`\\lceil n / K \\rceil` tokens and the others :math:`\\lfloor n / K \\rfloor`;
-    a row with fewer than :math:`K` tokens has one token per segment.
+    With :math:`n` valid tokens, the first :math:`n \bmod K` segments hold
+    :math:`\lceil n / K \rceil` tokens and the others :math:`\lfloor n / K \rfloor`;
+    a row with fewer than :math:`K` tokens has one token per segment (and empty ones).
 
     Args:
-        mask (torch.Tensor): ``[B, T]`` the loss mask.
-        count (int): :math:`K \\ge 1`.
+        lengths (torch.Tensor): ``[B]`` each row's valid tokens :math:`n`.
+        count (int): :math:`K \ge 1`.
 
     Returns:
-        torch.Tensor: ``[B, T]`` the segment index of each valid token.
+        torch.Tensor: ``[B, K + 1]`` the number of valid tokens before each segment,
+        and :math:`n` last.
 
     Examples:
         >>> import torch
-        >>> from torchrl_gspo.segments import equal_segments
-        >>> mask = torch.tensor([[False, True, True, True, True, True]])
-        >>> equal_segments(mask, 2)[mask]  # 5 tokens: 3 then 2
-        tensor([0, 0, 0, 1, 1])
+        >>> from torchrl_gspo.segments import equal_bounds
+        >>> equal_bounds(torch.tensor([5, 1]), 2)  # 5 tokens: 3 then 2; 1 token: 1 then 0
+        tensor([[0, 3, 5],
+                [0, 1, 1]])
     """
-    rank = mask.cumsum(-1) - 1  # position among the row's valid tokens
-    n = mask.sum(-1, keepdim=True)
-    small, longer = n // count, n % count  # segment length, segments one token longer
-    head = longer * (small + 1)  # the tokens of the longer segments
-    index = torch.where(
-        rank < head, rank // (small + 1), longer + (rank - head) // small.clamp_min(1)
-    )
-    return torch.where(mask, index, 0)
+    n = lengths.unsqueeze(-1)
+    k = torch.arange(count + 1, device=lengths.device)
+    return k * (n // count) + torch.minimum(k, n % count)
+
+
+def bounded_sums(values: torch.Tensor, mask: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """``[B, K]`` the sum of ``values`` over the valid tokens of each segment, from
+    :func:`equal_bounds`: differences of a cumulative sum, read at each bound.
+
+    Args:
+        values (torch.Tensor): ``[B, T]``, 0 off the mask.
+        mask (torch.Tensor): ``[B, T]`` the loss mask.
+        bounds (torch.Tensor): ``[B, K + 1]`` valid tokens before each segment.
+
+    Returns:
+        torch.Tensor: ``[B, K]``.
+
+    Examples:
+        >>> import torch
+        >>> from torchrl_gspo.segments import bounded_sums, equal_bounds
+        >>> values = torch.tensor([[0.0, 1.0, 2.0, 0.0, 4.0]])
+        >>> mask = torch.tensor([[False, True, True, False, True]])  # a hole
+        >>> bounded_sums(values, mask, equal_bounds(mask.sum(-1), 2))
+        tensor([[3., 4.]])
+    """
+    seen = mask.cumsum(-1, dtype=torch.int32)  # valid tokens up to each position
+    # the position of the b-th valid token, whose prefix sum holds the first b
+    last = torch.searchsorted(seen, bounds.to(torch.int32))
+    last = last.clamp(max=values.shape[-1] - 1)
+    prefix = torch.where(bounds > 0, values.cumsum(-1).gather(-1, last), 0.0)
+    return prefix[..., 1:] - prefix[..., :-1]
 
 
 def delimiter_segments(mask: torch.Tensor, tokens: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
