@@ -6,10 +6,10 @@
 
 Every function works on the loss' ``[B, T]`` layout (left-padded, a loss mask with
 possible holes) with cumulative sums and scatters: no Python loop over rows or
-segments. :math:`K` equal segments are given by their bounds (:func:`equal_bounds`),
-so that their sums are ``[B, K]``; the other ways give a segment index, ``[B, T]``,
-counting a row's segments from 0 on its valid tokens (and 0 off the mask, where no
-value is summed), whose sums are ``[B, T]``.
+segments. :math:`K` equal segments are given by their bounds, ``[B, K + 1]``, and
+their sums are ``[B, K]``; the other ways give a segment index, ``[B, T]``, counting
+a row's segments from 0 on its valid tokens (and 0 off the mask, where no value is
+summed), and their sums are ``[B, T]``.
 """
 
 from __future__ import annotations
@@ -58,8 +58,10 @@ def equal_bounds(lengths: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def bounded_sums(values: torch.Tensor, mask: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
-    """``[B, K]`` the sum of ``values`` over the valid tokens of each segment, from
-    :func:`equal_bounds`: differences of a cumulative sum, read at each bound.
+    """``[B, K]`` the sum of ``values`` over the valid tokens of each segment.
+
+    The segments are given by their bounds (:func:`~torchrl_gspo.segments.equal_bounds`);
+    each sum is a difference of a cumulative sum, read at the bounds.
 
     Args:
         values (torch.Tensor): ``[B, T]``, 0 off the mask.
