@@ -281,7 +281,7 @@ def _memory_probe(spec: str) -> None:
     case = Case(**fields)
     data, current, mask = make_case_data(case)
     loss_fn = make_loss(case, name, current, mask)
-    step(loss_fn, data)  # warm-up: allocator caches, lazy initialisations
+    step(loss_fn, data)  # warm-up: allocator caches, lazy initializations
     if case.device.startswith("cuda"):
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()

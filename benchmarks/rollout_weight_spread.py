@@ -11,7 +11,7 @@ length L, ``--rows`` sequences are scored by :func:`torchrl_gspo.rollout_terms`:
 - the product ratio rho (``rollout_correction_form="sequence"``, TRL's, verl's and
   NeMo-RL's): log rho ~ N(-L sigma^2 / 2, L sigma^2), so its median exp(-L sigma^2 / 2)
   collapses on long rows while its mean stays 1;
-- the geometric ratio (``"geometric"``, GSPO's own length normalisation): its log has
+- the geometric ratio (``"geometric"``, GSPO's own length normalization): its log has
   variance sigma^2 / L and concentrates at 1.
 
 The table gives the median and the 5%-95% range of each, and the fraction of rows each

@@ -6,7 +6,7 @@
 
 The task: the prompt is one letter (``"c"``); the reward of a response is the fraction
 of its characters (end-of-turn token excluded) equal to that letter, so partial credit
-makes the signal dense, and an empty response scores 0. A randomly initialised two-layer
+makes the signal dense, and an empty response scores 0. A randomly initialized two-layer
 Qwen2 with a character-level ChatML tokenizer, both built in code (no download), learns
 it from scratch in about 4 minutes on 2 CPU cores (both losses).
 
@@ -21,7 +21,7 @@ The pipeline is TorchRL's GRPO recipe with ``GRPOLoss`` swapped for ``GSPOLoss``
   ``generate=True``, ``pad_output=False``, sampling restricted to the answer letters and
   the end-of-turn token), and writes each batch into a
   :class:`~torchrl.data.ReplayBuffer` (``LazyStackStorage``) whose
-  :class:`~torchrl.objectives.llm.MCAdvantage` transform computes the group-normalised
+  :class:`~torchrl.objectives.llm.MCAdvantage` transform computes the group-normalized
   advantages.
 - :class:`~torchrl.trainers.algorithms.grpo.GRPOTrainer` with ``loss_module=GSPOLoss(...)``
   splits each batch into ``--minibatches`` (4, as in the paper) random minibatches, one
@@ -43,13 +43,13 @@ engine (``build_pipeline(..., engine_dtype=torch.bfloat16)``).
 Two configuration choices: the environment and the generator run in history mode, as in
 TorchRL's recipe, because ``ChatEnv``'s tokens mode (TorchRL 0.14.1) cannot step ragged
 responses (it stacks ``("tokens", "full")``); and the generator and the training wrapper
-share one model, so no weight synchronisation is needed (``weight_sync_sender=None``).
+share one model, so no weight synchronization is needed (``weight_sync_sender=None``).
 
 Usage::
 
     python examples/gspo_toy.py                     # GSPO then GRPO, plots both
     python examples/gspo_toy.py --loss gspo --steps 50 --out outputs/run
-    # data-parallel on 2 CPU processes (gloo): DDP and GSPO's global normalisation
+    # data-parallel on 2 CPU processes (gloo): DDP and GSPO's global normalization
     torchrun --nproc-per-node 2 examples/gspo_toy.py --loss gspo --out outputs/ddp
 
 Under ``torchrun`` each rank samples its own prompts (seed + rank) and responses, the
@@ -166,7 +166,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 def build_model(
     tokenizer: PreTrainedTokenizerFast, seed: int, tie: bool = True
 ) -> Qwen2ForCausalLM:
-    """A randomly initialised two-layer Qwen2, seeded; ``seed`` also seeds sampling."""
+    """A randomly initialized two-layer Qwen2, seeded; ``seed`` also seeds sampling."""
     torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
@@ -414,7 +414,7 @@ def build_pipeline(
     ``task`` is the task and model (the letter task, :func:`toy_task`, by default,
     whose model ``model_fn(tokenizer, seed)`` builds), and ``postproc_fn`` wraps the
     collector's postproc (e.g. to record MoE routes). Only the parameters that require
-    a gradient are optimised.
+    a gradient are optimized.
     """
     task = task or toy_task(args, model_fn)
     tokenizer, model = task.tokenizer, task.model
@@ -735,7 +735,7 @@ def parse_runs(
 
     Its own (``parser``), then ``--runs`` (a comma list of ``runs``), ``--steps``,
     ``--out``, ``--no-progress``, and every option of this example (the task, model and
-    optimiser), ``--lr`` defaulting to ``lr`` when given.
+    optimizer), ``--lr`` defaulting to ``lr`` when given.
     """
     parser.add_argument("--runs", default=",".join(runs), help="comma list of " + ", ".join(runs))
     parser.add_argument("--steps", type=int, default=steps)

@@ -6,7 +6,7 @@
 
 The toy task and TorchRL pipeline of ``gspo_toy.py`` (``ChatEnv`` -> ``LLMCollector`` ->
 ``ReplayBuffer`` with ``MCAdvantage`` -> ``GRPOTrainer``, 4 minibatches per batch) on a
-randomly initialised Qwen3-MoE (``Qwen3MoeConfig``: 4 layers, 8 experts, top-2), built in
+randomly initialized Qwen3-MoE (``Qwen3MoeConfig``: 4 layers, 8 experts, top-2), built in
 code. The collector's postproc computes the old log-probs and records, per token and
 layer, the experts they were computed with (:class:`~torchrl_gspo.RecordRoutes`).
 
@@ -50,7 +50,7 @@ RUNS = ("grpo", "grpo-replay", "gspo", "gspo-replay")
 
 
 def build_moe_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen3MoeForCausalLM:
-    """A randomly initialised 4-layer Qwen3-MoE, 8 experts, top-2; ``seed`` also seeds sampling."""
+    """A randomly initialized 4-layer Qwen3-MoE, 8 experts, top-2; ``seed`` also seeds sampling."""
     torch.manual_seed(seed)
     config = Qwen3MoeConfig(
         vocab_size=len(tokenizer),

@@ -10,7 +10,7 @@
   measures by how much.
 - ``rlhf-mask``: what TorchRL's ``"rlhf"`` mask holds, against the sampled ids, on
   single-turn and two-turn dialogs. The history-mode training wrapper re-renders the
-  dialog and re-tokenises it; each sampled response is compared with its run of the
+  dialog and re-tokenizes it; each sampled response is compared with its run of the
   assistant mask: ``exact``, ``eos_left_out`` (the sampled end of turn is not in the
   mask), ``eos_appended`` (an end of turn never sampled is in it) or ``other_ids``
   (the same text came back as other ids, or whitespace was stripped). Responses that

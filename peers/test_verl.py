@@ -6,7 +6,7 @@
 
 verl's registered policy losses (``get_policy_loss_fn``) are called on the same
 response-level tensors, with its ``ActorConfig`` and ``loss_agg_mode`` set
-explicitly, and without the trainer's global batch information (local normalisation).
+explicitly, and without the trainer's global batch information (local normalization).
 verl's sequence means divide the batch by its non-empty rows: the sequence scale
 1 / N_non-empty makes GSPOLoss' ``prompt_mean`` that. (They divide each row by its
 token count plus 1e-8; with the boolean mask verl's trainer passes, the count plus

@@ -84,7 +84,7 @@ def test_maximum_over_micro_batches_would_be_wrong():
     oracle = s.sum() ** 2 / (10 * (s**2).sum())
     close(whole.diagnostics()["ESS"], oracle)
     close(a.combine(b).diagnostics()["ESS"], oracle)
-    maxed = a.combine(b)._replace(  # sums added, log-sum-exps maximised
+    maxed = a.combine(b)._replace(  # sums added, log-sum-exps maximized
         log_ratio_lse=torch.maximum(a.log_ratio_lse, b.log_ratio_lse),
         log_ratio_sq_lse=torch.maximum(a.log_ratio_sq_lse, b.log_ratio_sq_lse),
     )
@@ -176,7 +176,7 @@ def test_statistics_match_their_definitions():
 
 
 def test_the_0_2_micro_batch_recipe_still_runs_with_a_warning():
-    """0.2's docs: sum diagnostics_sum, maximise diagnostics_max over micro-batches, set
+    """0.2's docs: sum diagnostics_sum, maximize diagnostics_max over micro-batches, set
     them on an output, all_reduce_diagnostics. The aliases write through to the stat_*
     fields; the counts-based diagnostics are then the union's (the ESS is not: that is
     why the recipe is deprecated)."""

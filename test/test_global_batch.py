@@ -2,7 +2,7 @@
 #
 # This source code is licensed under the MIT license found in the
 # LICENSE file in the root directory of this source tree.
-"""Global normalisation in one process: gradient accumulation, the stepper, errors."""
+"""Global normalization in one process: gradient accumulation, the stepper, errors."""
 
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def test_all_reduce_diagnostics_in_one_process_keeps_the_values():
     )
 
 
-def test_global_normalisation_errors():
+def test_global_normalization_errors():
     actor = BigramActor()
     rows = make_rows(actor=actor, noise=0.03, seed=5)
     batch = lazy_batch(rows)

@@ -5,7 +5,7 @@
 """The private parts of TorchRL's GRPOLoss that GSPOLoss calls: one contract test each.
 
 GSPOLoss owns its forward and orchestrates GRPOLoss' helpers. Each test below pins
-one helper's signature and its behaviour on a tiny batch, against a formula written
+one helper's signature and its behavior on a tiny batch, against a formula written
 out here, so that the day TorchRL changes one, the failing test names it.
 
 Two contracts change on purpose with the upstream series' first patch (upstream/,

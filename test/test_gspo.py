@@ -376,7 +376,7 @@ def test_kl_terms_are_grpos(which):
     assert_close(gspo.loss_objective, expected, torch.float64)
 
 
-def _regulariser_batch(kind, rows, decoupled):
+def _regularizer_batch(kind, rows, decoupled):
     """rows with reference log-probs; decoupled: the trainer's old log-probs next to the
     engine's, which differ by noise and are NaN where the rows' old ones were."""
     gen = torch.Generator().manual_seed(0)
@@ -402,7 +402,7 @@ def _regulariser_batch(kind, rows, decoupled):
 # "generic" (GSPOLoss never scores a row's first token) and with KL-Mask on a
 # decoupled batch (GSPOLoss filters against the old log-probs, GRPOLoss against the
 # rollout ones it reads as old).
-REGULARISER_MODES = [
+REGULARIZER_MODES = [
     (kind, aggregation, strategy, threshold, decoupled)
     for kind in ("lazy", "dense")
     for aggregation in ("prompt_mean", "token_mean", "none")
@@ -411,11 +411,11 @@ REGULARISER_MODES = [
 ]
 
 
-@pytest.mark.parametrize("kind,aggregation,strategy,threshold,decoupled", REGULARISER_MODES)
+@pytest.mark.parametrize("kind,aggregation,strategy,threshold,decoupled", REGULARIZER_MODES)
 def test_entropy_and_kl_terms_equal_grpos(kind, aggregation, strategy, threshold, decoupled):
     actor = BigramActor()
     rows = make_rows(actor=actor, noise=0.01, seed=21)
-    batch = _regulariser_batch(kind, rows, decoupled)
+    batch = _regularizer_batch(kind, rows, decoupled)
     kwargs = {
         "aggregation": aggregation,
         "masking_strategy": strategy,

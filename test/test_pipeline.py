@@ -251,7 +251,7 @@ def test_collected_batch_rewards_advantages_and_mask():
     expected = [a.count(q) / len(a) if a else 0.0 for q, a in zip(queries, answers, strict=True)]
     torch.testing.assert_close(rewards, torch.tensor(expected))
     # groups: args.group_size consecutive rows share a query; the advantage is the reward
-    # standardised within its group (unbiased std), 0 where the group's rewards are equal
+    # standardized within its group (unbiased std), 0 where the group's rewards are equal
     spreads = []
     for group in range(args.prompts):
         rows = slice(group * args.group_size, (group + 1) * args.group_size)
@@ -405,7 +405,7 @@ def test_history_mode_with_rlhf_masking():
     tokenizer = chatml_tokenizer()
     model = tiny_qwen(tokenizer, seed=0)
     eos = tokenizer.eos_token_id
-    # favour the end-of-turn token so that responses end at different lengths
+    # favor the end-of-turn token so that responses end at different lengths
     eos_bias = torch.zeros(len(tokenizer))
     eos_bias[eos] = 2.0
     model.lm_head.register_forward_hook(lambda module, args, output: output + eos_bias)

@@ -337,7 +337,7 @@ def assert_named_only(message: str, *causes: str) -> None:
     for cause, words in CONTEXT_WORDS.items():
         assert (words in message) is (cause in causes), (cause, message)
     if "added" in causes or "other ids" in causes:
-        assert "re-rendered or re-tokenised after sampling" in message
+        assert "re-rendered or re-tokenized after sampling" in message
         assert "input_mode='tokens'" in message and "RecomputeOldLogProbs" in message
 
 
@@ -381,7 +381,7 @@ def test_history_mode_rescoring_is_named_as_re_rendering(real, turns, loss_class
         loss_class(scorer, masking_strategy="rlhf")(data)
     message = str(caught.value)
     # re-rendering makes a row longer (an end of turn and a newline the template adds),
-    # or, re-tokenised, as long with other ids: both are named as re-rendering
+    # or, re-tokenized, as long with other ids: both are named as re-rendering
     causes = [c for c in ("added", "other ids") if CONTEXT_WORDS[c] in message]
     assert "added" in causes
     assert_named_only(message, *causes)

@@ -509,7 +509,7 @@ def test_warn_once_flag_does_not_change_results():
 
 
 # ---------------------------------------------------------------------------------
-# Module behaviour: devices, dtypes, copies, state
+# Module behavior: devices, dtypes, copies, state
 # ---------------------------------------------------------------------------------
 def test_clip_buffers_become_float32_where_float64_is_missing(monkeypatch):
     """Simulates MPS: a conversion (Module.to) that refuses float64 tensors."""

@@ -7,7 +7,7 @@
 A rule is one function that returns the rows that break it and the error that names
 them, the key and the fix. The rules themselves are stated in the documentation's
 "Inputs" page. :func:`check_scored` enforces the rules on scored values with one
-synchronisation, or in-graph under ``torch.compile``.
+synchronization, or in-graph under ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class Rule(NamedTuple):
     """One rule on a batch's values.
 
     Attributes:
-        bad: ``[B]`` the rows that break it (a boolean tensor, no synchronisation).
+        bad: ``[B]`` the rows that break it (a boolean tensor, no synchronization).
         error: the error naming those rows, built only when some row breaks it.
         warns: whether a broken rule warns instead of raising.
     """
@@ -51,7 +51,7 @@ def enforce(error: Exception | None, mode: str) -> None:
 def check_scored(owner: str, rules: Sequence[Rule]) -> None:
     """Enforces ``rules``: the first broken one raises, then the broken warnings warn.
 
-    In eager mode one synchronisation reads every rule's flag; under ``torch.compile``
+    In eager mode one synchronization reads every rule's flag; under ``torch.compile``
     the rules that raise are checked in-graph with ``torch._assert_async`` (no
     data-dependent branch, no graph break) and the eager run gives the details.
     """
@@ -174,7 +174,7 @@ def constant_advantage(options: Options, varies: torch.Tensor) -> Rule:
 
 
 def valid_scale(options: Options, scale: torch.Tensor) -> Rule:
-    """The sequence scale of the global normalisation is finite and >= 0."""
+    """The sequence scale of the global normalization is finite and >= 0."""
     return Rule(
         ~(scale.isfinite() & (scale >= 0)),
         lambda: ValueError(
@@ -256,12 +256,12 @@ def _removed(options: Options) -> str:
 
 
 def _rewritten(options: Options) -> str:
-    """The sequence re-rendered or re-tokenised: the working configuration's fix."""
+    """The sequence re-rendered or re-tokenized: the working configuration's fix."""
     by = []
     if options.input_mode == "history":
         by.append(
             "this loss' actor is in history mode: it renders the dialog with its chat "
-            "template and tokenises it again"
+            "template and tokenizes it again"
         )
     if options.masking_strategy == "rlhf":
         by.append(
@@ -272,7 +272,7 @@ def _rewritten(options: Options) -> str:
         "; ".join(by) if by else "e.g. a history-mode wrapper's output written back into the batch"
     )
     return (
-        f"the sequence was re-rendered or re-tokenised after sampling ({here}). Fix the "
+        f"the sequence was re-rendered or re-tokenized after sampling ({here}). Fix the "
         "data, not only the loss: generate in history mode, keeping the sampled tokens; "
         "score those tokens with a tokens-mode training wrapper (TransformersWrapper(model, "
         "tokenizer=tokenizer, input_mode='tokens', generate=False, return_log_probs=True, "
@@ -309,7 +309,7 @@ def context_mismatch(
     TorchRL's ``Tokens`` hold ``full = prompt + response``, by id. A row that breaks it
     would be scored in a context that was not sampled. Each group of rows is named with
     its cause (:data:`CONTEXT_CAUSES`): shorter rows lost ids after sampling, longer
-    rows and rows of other ids were re-rendered or re-tokenised. The ids are compared
+    rows and rows of other ids were re-rendered or re-tokenized. The ids are compared
     in eager mode; under ``torch.compile`` only the lengths are.
 
     Args:

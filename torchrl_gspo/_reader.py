@@ -33,7 +33,7 @@ class Batch(NamedTuple):
         advantage: ``[B, 1, 1]`` (one per sequence) or ``[B, T, 1]`` (per token,
             0 where ``has_value`` is False); a floating dtype.
         has_value: where the advantage is finite, ``[B]`` or ``[B, T]``.
-        scale: ``[B]`` sequence scale of the global normalisation, or ``None``.
+        scale: ``[B]`` sequence scale of the global normalization, or ``None``.
         ref: ``[B, T]`` reference log-probabilities when ``kl_to_ref_coeff`` is set.
         response_lengths: ``[B]`` lengths of the sampled responses when the
             response-mask check applies, else ``None``.
@@ -132,7 +132,7 @@ def read_batch(tensordict: TensorDictBase, options: Options) -> Batch:
     if size == 0:
         raise ValueError(
             f"{options.owner}: the batch is empty (batch size 0), so there is no sequence "
-            "to optimise: skip the optimisation step. (Rows with no response token are "
+            "to optimize: skip the optimization step. (Rows with no response token are "
             "fine: they contribute 0 to the loss.)"
         )
     lengths = _token_lengths(tokens, rows is not None, options)
@@ -208,32 +208,38 @@ def _token_input(tensordict: TensorDictBase, rows, key, tokens, lengths, options
     return _pad(values, 0)
 
 
+# The inputs every call needs: (key name, GRPOLoss' exception type and the start of its
+# message, what the loss reads there); a missing one raises as GRPOLoss does
+_REQUIRED = (
+    ("action", ValueError, "Action key {key} not in tensordict.", "the sampled tokens"),
+    (
+        "advantage",
+        ValueError,
+        "Advantage key {key} not in tensordict.",
+        "one advantage per sequence (e.g. from MCAdvantage)",
+    ),
+    (
+        "sample_log_prob",
+        KeyError,
+        "Couldn't find the log-prob {key} in the input data.",
+        "the old (sampling) log-probabilities, one per token,",
+    ),
+)
+
+
 def _required(tensordict: TensorDictBase, rows, options: Options) -> tuple:
     """Tokens, advantage and log-probs; a missing one raises GRPOLoss' exception type."""
-    name, keys = options.owner, options.keys
-    tokens = _read(tensordict, rows, keys.action, options)
-    if tokens is None:
-        raise ValueError(
-            f"Action key {keys.action} not in tensordict. {name} reads the sampled "
-            "tokens there; write them, or point the loss at their key with "
-            "loss.set_keys(action=...)."
-        )
-    advantage = _read(tensordict, rows, keys.advantage, options)
-    if advantage is None:
-        raise ValueError(
-            f"Advantage key {keys.advantage} not in tensordict. {name} reads one "
-            "advantage per sequence there (e.g. from MCAdvantage); write it, or point "
-            "the loss at its key with loss.set_keys(advantage=...)."
-        )
-    sample = _read(tensordict, rows, keys.sample_log_prob, options)
-    if sample is None:
-        raise KeyError(
-            f"Couldn't find the log-prob {keys.sample_log_prob} in the input data. "
-            f"{name} reads the old (sampling) log-probabilities there, one per token; "
-            "write them, or point the loss at their key with "
-            "loss.set_keys(sample_log_prob=...)."
-        )
-    return tokens, advantage, sample
+    values = []
+    for name, error, start, what in _REQUIRED:
+        key = getattr(options.keys, name)
+        value = _read(tensordict, rows, key, options)
+        if value is None:
+            raise error(
+                f"{start.format(key=key)} {options.owner} reads {what} there; write "
+                f"them, or point the loss at their key with loss.set_keys({name}=...)."
+            )
+        values.append(value)
+    return tuple(values)
 
 
 def _token_lengths(tokens, lazy: bool, options: Options) -> list[int] | None:
@@ -336,14 +342,14 @@ def _read_advantage(advantage, size: int, width: int, options: Options) -> tuple
 
 
 def _read_scale(scale, size: int, options: Options) -> torch.Tensor | None:
-    """The per-sequence scale of the global normalisation, ``[B]``, or None."""
+    """The per-sequence scale of the global normalization, ``[B]``, or None."""
     if scale is None:
         return None
     name, key = options.owner, options.keys.sequence_scale
     if options.aggregation != "prompt_mean" or options.reduction == "none":
         raise ValueError(
             f"{name}: the batch holds a sequence scale at {key!r} (global "
-            "normalisation), which replaces the per-sequence mean of "
+            "normalization), which replaces the per-sequence mean of "
             f"aggregation='prompt_mean'; got aggregation={options.aggregation!r}, "
             f"reduction={options.reduction!r}. Use aggregation='prompt_mean'."
         )
@@ -356,7 +362,7 @@ def _read_scale(scale, size: int, options: Options) -> torch.Tensor | None:
             "set_sequence_scale writes it."
         )
     scale = scale.reshape(size)
-    # its values (finite, >= 0) are checked with the scored values: one synchronisation
+    # its values (finite, >= 0) are checked with the scored values: one synchronization
     return scale if scale.is_floating_point() else scale.to(torch.get_default_dtype())
 
 

@@ -66,7 +66,7 @@ class SegmentTerms(NamedTuple):
 
 
 def world_size(group: dist.ProcessGroup | None) -> int:
-    """The size of ``group``; 1 without an initialised process group.
+    """The size of ``group``; 1 without an initialized process group.
 
     A rank outside ``group`` raises: collectives there would not involve it.
     """
@@ -244,7 +244,7 @@ class SequenceStatistics(NamedTuple):
                 fields).
 
         Returns:
-            SequenceStatistics: sums added, maxima maximised, log-sum-exps combined
+            SequenceStatistics: sums added, maxima maximized, log-sum-exps combined
             with ``logaddexp``.
         """
         for kind, names in _OPTIONAL.items():
@@ -269,7 +269,7 @@ class SequenceStatistics(NamedTuple):
     def all_reduce(self, group: dist.ProcessGroup | None = None) -> SequenceStatistics:
         """The statistics over all ranks of ``group`` (two collectives).
 
-        Call it on every rank of ``group``. Without an initialised process group it
+        Call it on every rank of ``group``. Without an initialized process group it
         returns the statistics unchanged.
 
         Args:
@@ -482,7 +482,7 @@ class SequenceDiagnosticsOutput(LLMLossOutput):
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        # a tensorclass honours the property setters of the class' own __dict__ only
+        # a tensorclass honors the property setters of the class' own __dict__ only
         for name in ("diagnostics_sum", "diagnostics_max"):
             setattr(cls, name, SequenceDiagnosticsOutput.__dict__[name])
 

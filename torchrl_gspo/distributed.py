@@ -35,7 +35,7 @@ def set_sequence_scale(
     r"""Makes the loss of a data-parallel, gradient-accumulated step exactly GSPO's.
 
     GSPO's objective (Eq. 5) is a mean over the sequences of the batch that one
-    optimiser step uses. Data-parallel training splits that batch over ranks, whose
+    optimizer step uses. Data-parallel training splits that batch over ranks, whose
     gradients DDP and FSDP *average*, and gradient accumulation over micro-batches,
     whose gradients *add up*; the per-micro-batch mean of
     ``aggregation="prompt_mean"`` then weighs a sequence by
@@ -55,11 +55,11 @@ def set_sequence_scale(
     :math:`R`). Rows without a response token count in :math:`N`, as they count in
     ``prompt_mean``'s per-batch mean (TRL counts them too; verl does not).
 
-    Call it once per optimisation step, on every rank of ``group``, before the step's
+    Call it once per optimization step, on every rank of ``group``, before the step's
     first forward. Every micro-batch of every rank needs a row (each rank must run
     the same number of forward and backward passes): an empty one raises on every
     rank, after the count, so that no rank waits for the others. Without an
-    initialised process group, :math:`R = 1`: exact gradient accumulation over
+    initialized process group, :math:`R = 1`: exact gradient accumulation over
     micro-batches of any sizes.
 
     Args:
@@ -103,7 +103,7 @@ def set_sequence_scale(
     if total == 0:
         raise ValueError(
             "set_sequence_scale: the step holds no sequence on any rank; skip the "
-            "optimisation step."
+            "optimization step."
         )
     if empties:
         raise ValueError(
@@ -193,14 +193,14 @@ def all_reduce_diagnostics(
 
 
 class GlobalBatchStepper(OptimizationStepper):
-    """An optimisation step of TorchRL's trainers with GSPO's global normalisation.
+    """An optimization step of TorchRL's trainers with GSPO's global normalization.
 
     For :class:`~torchrl.trainers.algorithms.grpo.GRPOTrainer` (pass it as
     ``optimization_stepper``): each sub-batch the trainer samples is one
-    optimisation step's batch on this rank. The stepper splits it into
+    optimization step's batch on this rank. The stepper splits it into
     ``gradient_accumulation_steps`` micro-batches of near-equal sizes, calls
     :func:`set_sequence_scale` on them (one ``all_reduce`` per step), runs forward and
-    backward on each, clips the gradient norm and steps the optimiser. The gradient
+    backward on each, clips the gradient norm and steps the optimizer. The gradient
     is then exactly that of GSPO's objective over the sequences of all ranks'
     sub-batches, whatever their sizes.
 
@@ -220,11 +220,11 @@ class GlobalBatchStepper(OptimizationStepper):
     ``grad_norm``, and ``skipped`` (1 when a non-finite loss skipped the step).
 
     Args:
-        optimizer (torch.optim.Optimizer): the optimiser of the (DDP- or
+        optimizer (torch.optim.Optimizer): the optimizer of the (DDP- or
             FSDP-wrapped) model.
 
     Keyword Args:
-        gradient_accumulation_steps (int, optional): micro-batches per optimisation
+        gradient_accumulation_steps (int, optional): micro-batches per optimization
             step; each rank's sub-batch must hold at least that many rows. Defaults
             to ``1``.
         clip_norm (float | None, optional): maximum gradient norm, ``None`` for no
@@ -240,7 +240,7 @@ class GlobalBatchStepper(OptimizationStepper):
         autocast_dtype (torch.dtype, optional): the autocast dtype. Defaults to
             ``torch.bfloat16``.
         device_type (str, optional): the autocast device type. Defaults to that of the
-            optimiser's first parameter.
+            optimizer's first parameter.
 
     Examples:
         >>> import torch
@@ -301,7 +301,7 @@ class GlobalBatchStepper(OptimizationStepper):
         self.skipped_steps = state_dict.get("skipped_steps", 0)
 
     def step(self, trainer: Any, sub_batch: TensorDictBase) -> TensorDictBase:
-        """One optimisation step on this rank's ``sub_batch``.
+        """One optimization step on this rank's ``sub_batch``.
 
         Args:
             trainer (Trainer): the trainer; its ``compute_loss`` runs the loss.

@@ -82,7 +82,7 @@ Examples:
 
 
 class GSPOLoss(GRPOLoss):
-    r"""GSPO loss: GRPO's clipped objective on a length-normalised sequence ratio.
+    r"""GSPO loss: GRPO's clipped objective on a length-normalized sequence ratio.
 
     Group Sequence Policy Optimization (Zheng et al., Qwen, 2025,
     `arXiv:2507.18071 <https://arxiv.org/abs/2507.18071>`_) replaces GRPO's
@@ -95,7 +95,7 @@ class GSPOLoss(GRPOLoss):
             \log \frac{\pi_\theta(y_{i,t} \mid x, y_{i,<t})}
                       {\pi_{\theta_\text{old}}(y_{i,t} \mid x, y_{i,<t})}\Big),
 
-    and maximises (Eq. 5)
+    and maximizes (Eq. 5)
 
     .. math::
 
@@ -152,7 +152,7 @@ class GSPOLoss(GRPOLoss):
             end is no bound, as TRL's ``clip_min`` and ``clip_max``), or a cap
             ``C >= 1`` meaning ``(0, C)`` (not for ``"mask"``). ``None`` takes the
             defaults of :class:`~torchrl_gspo.RolloutCorrection`: ``(0.999, 1.001)``
-            for the geometric form (verl's length-normalised band; a cap ``1.001``
+            for the geometric form (verl's length-normalized band; a cap ``1.001``
             for ``"truncate"``), and for the product and token forms TRL's
             ``vllm_importance_sampling_clip_max=3.0`` with no lower bound
             (``"mask"``: ``(1/3, 3.0)``).
@@ -360,10 +360,10 @@ class GSPOLoss(GRPOLoss):
         )
         aggregation_mask = self._kl_filter(scores)
         out = {
-            "loss_objective": self._aggregate(terms, aggregation_mask, weight, tensordict),
+            "loss_objective": self._reduce_terms(terms, aggregation_mask, weight, tensordict),
             "kl_approx": -scores.token_log_ratio.detach().mean(),
             **stats.fields(),
-            **self._regularisers(batch, current, dist, aggregation_mask, weight, tensordict),
+            **self._regularizers(batch, current, dist, aggregation_mask, weight, tensordict),
         }
         return self.output_type.from_tensordict(TensorDict(out, batch_size=[]))
 
@@ -433,14 +433,16 @@ class GSPOLoss(GRPOLoss):
         drift = 0.5 * scores.token_log_ratio.detach() ** 2
         return scores.mask & (drift <= threshold)
 
-    def _aggregate(
+    def _reduce_terms(
         self,
         value: torch.Tensor,
         mask: torch.Tensor,
         weight: torch.Tensor | None,
         tensordict: TensorDictBase,
     ) -> torch.Tensor:
-        """The loss of terms per sequence ``[B, 1, 1]`` or per token ``[B, T, 1]``.
+        """Weights the terms, per sequence ``[B, 1, 1]`` or per token ``[B, T, 1]``, and
+        reduces them to the loss; per-token terms go to GRPOLoss'
+        ``_aggregate_loss_value``, which only aggregates.
 
         ``weight`` is ``[B]`` (per sequence) or ``[B, T]`` (per token), or ``None``.
         """
@@ -456,7 +458,7 @@ class GSPOLoss(GRPOLoss):
         loss = self._aggregate_loss_value(value, mask, tensordict=tensordict)
         return loss.squeeze(-1) if reduce else loss  # GRPOLoss' prompt_mean is (1,)
 
-    def _regularisers(
+    def _regularizers(
         self,
         batch: Batch,
         current: torch.Tensor,
@@ -470,7 +472,7 @@ class GSPOLoss(GRPOLoss):
         if self.entropy_bonus:
             entropy = self._get_entropy(dist, adv_shape=batch.advantage.shape[:-1])
             out["entropy"] = entropy.detach().mean()
-            out["loss_entropy"] = self._aggregate(
+            out["loss_entropy"] = self._reduce_terms(
                 -self.entropy_coeff * entropy, mask, weight, tensordict
             )
         terms = []

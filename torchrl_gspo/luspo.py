@@ -34,7 +34,7 @@ class LUSPOLoss(GSPOLoss):
 
     LUSPO (`arXiv:2602.05261 <https://arxiv.org/abs/2602.05261>`_) multiplies GSPO's
     clipped term of each response by its length, so that the objective no longer
-    favours short responses:
+    favors short responses:
 
     .. math::
 

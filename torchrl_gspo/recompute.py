@@ -41,7 +41,7 @@ class RecomputeOldLogProbs(Transform):
     `arXiv:2507.18071 <https://arxiv.org/abs/2507.18071>`_, discuss when the
     engine's likelihoods can serve directly).
 
-    It must run once per rollout, before the first optimiser update on it: as the
+    It must run once per rollout, before the first optimizer update on it: as the
     collector's ``postproc``, or as a replay-buffer transform, which runs it when
     a batch is written. A batch that already holds ``out_key`` is returned as it
     is, so a sample-time pass over such a buffer changes nothing. Do not add it as

@@ -23,7 +23,7 @@ _FORMS = ("geometric", "sequence", "token")
 # Default thresholds, a cap C meaning the band (0, C). Product and per-token ratios:
 # TRL's vllm_importance_sampling_clip_max 3.0 (TRL sets no lower bound); the 0/1 mask
 # takes the band symmetric in log. Geometric ratio: the band of verl's
-# length-normalised rejection (rollout_rs="seq_mean_k1").
+# length-normalized rejection (rollout_rs="seq_mean_k1").
 _DEFAULTS = {
     **{(mode, "sequence"): 3.0 for mode in ("truncate", "masked_is")},
     **{(mode, "token"): 3.0 for mode in ("truncate", "masked_is")},

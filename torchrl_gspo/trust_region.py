@@ -31,7 +31,7 @@ class KLEarlyStop(TrainerHookBase):
     rank's flag decides), so that no rank waits in a collective the others skip.
 
     It reads each loss output through a forward hook on the trainer's loss module,
-    so it works with every optimisation stepper (TorchRL's,
+    so it works with every optimization stepper (TorchRL's,
     :class:`~torchrl_gspo.GlobalBatchStepper`, whose micro-batches each count), and
     decides at the next minibatch drawn, the same step on every rank.
 

@@ -21,7 +21,7 @@ from torch import nn
 
 
 def _softmax_gather(router: nn.Module, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Qwen2-MoE, Qwen3-MoE, Qwen3-Next, OLMoE: softmax over all experts, renormalised
+    """Qwen2-MoE, Qwen3-MoE, Qwen3-Next, OLMoE: softmax over all experts, renormalized
     over the top-k when ``norm_topk_prob``, in the logits' dtype."""
     weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, idx)
     if router.norm_topk_prob:
@@ -29,10 +29,10 @@ def _softmax_gather(router: nn.Module, logits: torch.Tensor, idx: torch.Tensor) 
     return weights.to(logits.dtype)
 
 
-def _softmax_renormalised(
+def _softmax_renormalized(
     router: nn.Module, logits: torch.Tensor, idx: torch.Tensor
 ) -> torch.Tensor:
-    """Mixtral: softmax over all experts in float32, always renormalised, kept float32."""
+    """Mixtral: softmax over all experts in float32, always renormalized, kept float32."""
     weights = torch.softmax(logits.float(), dim=-1).gather(-1, idx)
     return weights / weights.sum(dim=-1, keepdim=True)
 
@@ -46,7 +46,7 @@ def _softmax_of_selected(
 
 def _sigmoid_scaled(router: nn.Module, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """DeepSeek-V3: sigmoid scores (the selection's correction bias left out),
-    renormalised when ``norm_topk_prob``, times ``routed_scaling_factor``."""
+    renormalized when ``norm_topk_prob``, times ``routed_scaling_factor``."""
     weights = logits.sigmoid().gather(1, idx)
     if router.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -59,7 +59,7 @@ FORMULAS: dict[str, Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tens
     _PREFIX + "qwen3_moe.modeling_qwen3_moe.Qwen3MoeTopKRouter": _softmax_gather,
     _PREFIX + "qwen3_next.modeling_qwen3_next.Qwen3NextTopKRouter": _softmax_gather,
     _PREFIX + "olmoe.modeling_olmoe.OlmoeTopKRouter": _softmax_gather,
-    _PREFIX + "mixtral.modeling_mixtral.MixtralTopKRouter": _softmax_renormalised,
+    _PREFIX + "mixtral.modeling_mixtral.MixtralTopKRouter": _softmax_renormalized,
     _PREFIX + "gpt_oss.modeling_gpt_oss.GptOssTopKRouter": _softmax_of_selected,
     _PREFIX + "deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter": _sigmoid_scaled,
 }

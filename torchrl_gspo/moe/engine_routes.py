@@ -140,7 +140,7 @@ def _refuse_non_integer(routes: torch.Tensor, start: int) -> None:
     """Raises when the engine's routes are not integer expert ids.
 
     The dtype check syncs nothing; only the error, to name the first row holding a
-    fraction, reads the values (one device synchronisation, before raising).
+    fraction, reads the values (one device synchronization, before raising).
 
     Args:
         routes (torch.Tensor): the engine's routes, ``[n - 1 - start, layers, k]``.

@@ -248,7 +248,7 @@ class RoutingReplay:
     def _check(self, routes: list[torch.Tensor]) -> list[torch.Tensor]:
         """Routes of every layer, integer, in range and without a repeated expert.
 
-        The values of all layers are checked in one device synchronisation.
+        The values of all layers are checked in one device synchronization.
         """
         if len(routes) != self.num_layers:
             raise ValueError(
@@ -362,7 +362,7 @@ class RoutingReplay:
         """Routes per layer ``[B, T, k]`` of the left-padded batch of ``rows``.
 
         Every row must have row 0's layers and top-k (a check of shapes: no device
-        synchronisation); its padding takes experts ``0 .. k - 1``.
+        synchronization); its padding takes experts ``0 .. k - 1``.
         """
         for index, row in enumerate(rows[1:], start=1):
             _check_row_agrees(index, row.shape, rows[0].shape)
