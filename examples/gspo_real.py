@@ -129,6 +129,15 @@ TASKS = {
         tuple((a, b) for a in TWO_DIGITS for b in TWO_DIGITS if a != b),
         test=HELDOUT,
     ),
+    # the same problems, with working: responses of several sentences, to measure the
+    # subsequence objective's clip band (examples/segment_band.py)
+    "smaller-steps": TwoNumberTask(
+        "Which is smaller, {} or {}? Compare them step by step, one short sentence per "
+        "step, then give the answer.",
+        min,
+        tuple((a, b) for a in TWO_DIGITS for b in TWO_DIGITS if a != b),
+        test=HELDOUT,
+    ),
 }
 
 

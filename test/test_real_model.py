@@ -461,3 +461,31 @@ def test_delimiter_token_ids_on_the_real_tokenizer(real):
     assert all(i in ids for _, i in REAL_DELIMITERS)
     assert not any(i in ids for _, i in REAL_OTHERS)
     assert all(tokenizer.decode([i])[-1] in ".,;:!?\n" for i in ids)
+
+
+def test_segment_band_smoke(tmp_path, real):
+    """examples/segment_band.py, one step: each segmentation's diagnostics on the batches
+    GSPO trains on; with one segment, a clipped segment is a whole-clipped response."""
+    segment_band = example("segment_band")
+    result = segment_band.main(
+        [
+            "--steps",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--segments",
+            "1",
+            "3",
+            "delimiters",
+            "--out",
+            str(tmp_path),
+        ]  # fmt: skip
+    )
+    rows = result["segmentations"]
+    assert set(rows) == {"K=1", "K=3", "delimiters"}
+    assert all(row["minibatches"] == 4 for row in rows.values())
+    assert rows["K=1"]["median_segments"] == 1
+    assert rows["K=1"]["whole_clip_fraction"] == rows["K=1"]["segment_clip_fraction"]
+    for row in rows.values():
+        assert all(0 <= row[f] <= 1 for f in segment_band.FIELDS)
+    assert json.loads((tmp_path / "segment_band.json").read_text()) == result
