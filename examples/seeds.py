@@ -158,6 +158,8 @@ SWEEP_RATES = {
     "grpo": ("3e-7", "1e-6", "3e-6", "1e-5"),
 }
 FINAL_PAIRS = (("gspo", "grpo"), ("sspo", "gspo"), ("sspo", "grpo"))  # sspo: a later issue
+# each loss' rate as the registered rule picked it from real-smaller-sweep's records
+FINAL_RATES = {"gspo": "3e-6", "grpo": "3e-6"}
 
 
 def _calibrated(loss: str, lr: str, eval_set: str, *args: str) -> Config:
@@ -210,6 +212,15 @@ EXPERIMENTS = {
         seeds=2,
         pick="heldout_accuracy_after",
         paper_clip=(("gspo", 0.15), ("grpo", 0.0013)),  # the GSPO paper's Fig. 2
+    ),
+    "real-smaller-final": Experiment(
+        "SmolLM2-135M-Instruct, the calibrated task: each loss at the rate its sweep"
+        " picked, 40 steps, fresh seeds, scored on the test set",
+        {loss: _calibrated(loss, lr, "test") for loss, lr in FINAL_RATES.items()},
+        REAL_METRICS,
+        FINAL_PAIRS,
+        primary="heldout_accuracy_gain",
+        first_seed=100,
     ),
     "real-paper-regime": Experiment(
         "GSPO against GRPO on SmolLM2-135M-Instruct, 60 steps, GSPO at the paper's clip fraction",

@@ -193,6 +193,28 @@ def test_sweep_rule_picks_the_best_mean_and_the_smaller_rate_on_a_tie():
     assert picked["b"] == {"lr": 3e-7, "mean": 0.4, "at_edge": True}
 
 
+
+def test_the_final_runs_use_the_rates_the_rule_picks_from_the_committed_sweep():
+    """real-smaller-final runs each loss at the rate that the registered rule picks
+    from the committed records of real-smaller-sweep, its edge extension included:
+    every rate of the grid on its two seeds, and the pick inside the extended grid
+    or at the extension (no second extension)."""
+    sweep = seeds.EXPERIMENTS["real-smaller-sweep"]
+    path = seeds.EXAMPLES / "figures" / "seeds" / "real-smaller-sweep" / "results.jsonl"
+    records = seeds.load(path, sweep)
+    assert {(r["config"], r["seed"]) for r in records} == {
+        (name, seed) for name in sweep.configs for seed in (0, 1)
+    }
+    picked = seeds.aggregate(sweep, records)["picked"]
+    final = seeds.EXPERIMENTS["real-smaller-final"]
+    for loss, lr in seeds.FINAL_RATES.items():
+        assert picked[loss]["lr"] == float(lr)
+        config = final.configs[loss]
+        assert config.args[config.args.index("--lr") + 1] == lr
+        assert config.args[config.args.index("--eval-set") + 1] == "test"
+    assert list(final.seed_range()) == list(range(100, 108))
+    assert final.primary == "heldout_accuracy_gain" and final.pairs == seeds.FINAL_PAIRS
+
 def test_paper_regime_takes_the_rate_nearest_each_paper_clip_fraction():
     """Clip fractions 0.05 / 0.2 / 0.5 (GSPO target 0.15: 0.2 is nearest) and 0 / 0.001
     / 0.02 (GRPO target 0.0013: 0.001); the gains' paired difference by seed."""
