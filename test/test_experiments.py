@@ -193,7 +193,6 @@ def test_sweep_rule_picks_the_best_mean_and_the_smaller_rate_on_a_tie():
     assert picked["b"] == {"lr": 3e-7, "mean": 0.4, "at_edge": True}
 
 
-
 def test_the_final_runs_use_the_rates_the_rule_picks_from_the_committed_sweep():
     """real-smaller-final runs each loss at the rate that the registered rule picks
     from the committed records of real-smaller-sweep, its edge extension included:
@@ -214,6 +213,7 @@ def test_the_final_runs_use_the_rates_the_rule_picks_from_the_committed_sweep():
         assert config.args[config.args.index("--eval-set") + 1] == "test"
     assert list(final.seed_range()) == list(range(100, 108))
     assert final.primary == "heldout_accuracy_gain" and final.pairs == seeds.FINAL_PAIRS
+
 
 def test_paper_regime_takes_the_rate_nearest_each_paper_clip_fraction():
     """Clip fractions 0.05 / 0.2 / 0.5 (GSPO target 0.15: 0.2 is nearest) and 0 / 0.001
