@@ -17,7 +17,6 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
-from tensordict import TensorDictBase
 
 from torchrl_gspo._arguments import Options, warn
 
@@ -301,8 +300,23 @@ CONTEXT_CAUSES = (
 )
 
 
+def _same_ids(rows: list[tuple], sizes: list[tuple[int, int]]) -> list[bool]:
+    """Whether each row of equal lengths holds the same ids (all at once, row by row
+    only when they differ); ``True`` for the others and under ``torch.compile``."""
+    same = [True] * len(rows)
+    equal = [i for i, (length, both) in enumerate(sizes) if length == both]
+    if not equal or torch.compiler.is_compiling():
+        return same
+    full = torch.cat([rows[i][2] for i in equal], -1)
+    if not torch.equal(full, torch.cat([t for i in equal for t in rows[i][:2]], -1)):
+        for i in equal:
+            prompt, response, full = rows[i]
+            same[i] = torch.equal(full, torch.cat([prompt, response], -1))
+    return same
+
+
 def context_mismatch(
-    rows: list[TensorDictBase], options: Options
+    prompts: list, responses: list, fulls: list, options: Options
 ) -> tuple[list[int], ValueError | None]:
     """Rows whose sequence is not their prompt followed by their response.
 
@@ -310,30 +324,32 @@ def context_mismatch(
     would be scored in a context that was not sampled. Each group of rows is named with
     its cause (:data:`CONTEXT_CAUSES`): shorter rows lost ids after sampling, longer
     rows and rows of other ids were re-rendered or re-tokenized. The ids are compared
-    in eager mode; under ``torch.compile`` only the lengths are.
+    in eager mode, all rows of equal lengths at once (row by row only when they
+    differ); under ``torch.compile`` only the lengths are.
 
     Args:
-        rows (list[TensorDictBase]): the rows of a lazily stacked batch.
+        prompts (list): each row's tensor at ``("tokens", "prompt")``, ``None`` where
+            the row lacks it; so are ``responses`` and ``fulls``.
+        responses (list): the rows' ``("tokens", "response")``.
+        fulls (list): the rows' ``("tokens", "full")``.
         options (Options): the loss' options (its name, tokenizer, masking strategy
             and actor's input mode name the cause).
 
     Returns:
         tuple[list[int], ValueError | None]: the bad rows and the error naming them
-        (``None`` when every row holds the three keys consistently or none of them).
+        (``None`` when every row holds the three keys consistently or a row lacks one).
     """
-    keys = (PROMPT_KEY, RESPONSE_KEY, FULL_KEY)
-    # ids are compared in eager mode; a compiled graph compares the lengths only
-    by_id = not torch.compiler.is_compiling()
+    rows = list(zip(prompts, responses, fulls, strict=True))
+    if any(value is None for row in rows for value in row):
+        return [], None
+    sizes = [
+        (full.shape[-1], prompt.shape[-1] + response.shape[-1]) for prompt, response, full in rows
+    ]
+    same = _same_ids(rows, sizes)
     groups: dict[int, list[tuple[int, int, int]]] = {}
-    for i, row in enumerate(rows):
-        present = row.keys(include_nested=True)
-        if not all(key in present for key in keys):
-            return [], None
-        prompt, response, full = (row.get(key) for key in keys)
-        length, both = full.shape[-1], prompt.shape[-1] + response.shape[-1]
-        same = length != both or not by_id or torch.equal(full, torch.cat([prompt, response], -1))
+    for i, (length, both) in enumerate(sizes):
         for k, kind in enumerate(CONTEXT_CAUSES):
-            if kind.applies(length, both, same):
+            if kind.applies(length, both, same[i]):
                 groups.setdefault(k, []).append((i, length, both))
     if not groups:
         return [], None

@@ -19,7 +19,7 @@ from tensordict import LazyStackedTensorDict, TensorDictBase
 from tensordict.utils import NestedKey
 
 from torchrl_gspo._arguments import Options
-from torchrl_gspo._checks import RESPONSE_KEY, context_mismatch, enforce
+from torchrl_gspo._checks import FULL_KEY, PROMPT_KEY, RESPONSE_KEY, context_mismatch, enforce
 
 
 class Batch(NamedTuple):
@@ -60,7 +60,11 @@ def _rows(tensordict: TensorDictBase) -> list[TensorDictBase] | None:
 
 def _read_rows(rows: list[TensorDictBase], key: NestedKey, owner: str) -> list[torch.Tensor] | None:
     """One tensor per row, or None when no row holds ``key``; some rows only raise."""
-    values = [_get(row, key) for row in rows]
+    return _complete([_get(row, key) for row in rows], key, owner)
+
+
+def _complete(values: list, key: NestedKey, owner: str) -> list[torch.Tensor] | None:
+    """The rows' values at ``key``, or None when no row holds it; some rows only raise."""
     missing = [i for i, value in enumerate(values) if value is None]
     if not missing:
         return values
@@ -82,7 +86,7 @@ def _read(tensordict: TensorDictBase, rows, key: NestedKey, options: Options):
 
 
 def _get(tensordict: TensorDictBase, key: NestedKey) -> torch.Tensor | None:
-    """``tensordict[key]``, or None when absent.
+    """``tensordict[key]``, or None when absent (in eager mode, ``get``'s default).
 
     Under ``torch.compile`` a graph traced without the key must be guarded on its
     absence, so that a batch that holds it, with as many keys, recompiles instead of
@@ -91,7 +95,7 @@ def _get(tensordict: TensorDictBase, key: NestedKey) -> torch.Tensor | None:
     of the keys is, key by key.
     """
     if not torch.compiler.is_compiling():
-        return tensordict.get(key) if key in tensordict.keys(include_nested=True) else None
+        return tensordict.get(key, None)
     key = key[0] if isinstance(key, tuple) and len(key) == 1 else key
     return tensordict.get(key) if key in list(tensordict.keys(include_nested=True)) else None
 
@@ -125,8 +129,12 @@ def read_batch(tensordict: TensorDictBase, options: Options) -> Batch:
         )
     rows = _rows(tensordict)
     tokens, advantage, sample = _required(tensordict, rows, options)
+    responses = None  # each row's, read once for both checks
     if rows is not None and options.response_mask_check != "ignore":
-        _, error = context_mismatch(rows, options)
+        responses = [_get(row, RESPONSE_KEY) for row in rows]
+        fulls = tokens if options.keys.action == FULL_KEY else [_get(r, FULL_KEY) for r in rows]
+        prompts = [_get(row, PROMPT_KEY) for row in rows]
+        _, error = context_mismatch(prompts, responses, fulls, options)
         enforce(error, options.response_mask_check)
     size = tensordict.batch_size[0]
     if size == 0:
@@ -150,7 +158,7 @@ def read_batch(tensordict: TensorDictBase, options: Options) -> Batch:
             _read(tensordict, rows, options.keys.sequence_scale, options), size, options
         ),
         ref=_read_ref(tensordict, rows, options),
-        response_lengths=_response_lengths(rows, options, sample.device),
+        response_lengths=_response_lengths(responses, options, sample.device),
         inputs=tuple(
             _token_input(tensordict, rows, key, tokens, lengths, options)
             for key in options.token_inputs
@@ -440,11 +448,11 @@ def _read_ref(tensordict: TensorDictBase, rows, options: Options) -> torch.Tenso
     return ref.squeeze(-1) if ref.ndim == 3 else ref
 
 
-def _response_lengths(rows, options: Options, device: torch.device) -> torch.Tensor | None:
+def _response_lengths(responses, options: Options, device: torch.device) -> torch.Tensor | None:
     """The sampled responses' lengths, where the "sft" response-mask check applies."""
-    if rows is None or options.masking_strategy != "sft" or options.response_mask_check == "ignore":
+    if responses is None or options.masking_strategy != "sft":
         return None
-    responses = _read_rows(rows, RESPONSE_KEY, options.owner)
+    responses = _complete(responses, RESPONSE_KEY, options.owner)
     if responses is None:
         return None
     return torch.tensor([r.shape[-1] for r in responses], device=device)

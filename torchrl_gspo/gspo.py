@@ -441,8 +441,10 @@ class GSPOLoss(GRPOLoss):
         tensordict: TensorDictBase,
     ) -> torch.Tensor:
         """Weights the terms, per sequence ``[B, 1, 1]`` or per token ``[B, T, 1]``, and
-        reduces them to the loss; per-token terms go to GRPOLoss'
-        ``_aggregate_loss_value``, which only aggregates.
+        reduces them to the loss. Per-token terms are masked, then averaged as
+        GRPOLoss' ``prompt_mean`` averages them (each sequence's mean over its valid
+        tokens, then the mean over sequences), or go to its ``_aggregate_loss_value``
+        for the other aggregations.
 
         ``weight`` is ``[B]`` (per sequence) or ``[B, T]`` (per token), or ``None``.
         """
@@ -455,8 +457,10 @@ class GSPOLoss(GRPOLoss):
             return torch.where(mask.any(-1), value.reshape(-1), 0.0).mean()
         # masked positions may hold inf (an overflowing ratio): never NaN in the product
         value = torch.where(mask.unsqueeze(-1), value, 0.0)
-        loss = self._aggregate_loss_value(value, mask, tensordict=tensordict)
-        return loss.squeeze(-1) if reduce else loss  # GRPOLoss' prompt_mean is (1,)
+        if reduce:  # GRPOLoss' prompt_mean, without its second product by the mask
+            count = mask.sum(-1, keepdim=True).clamp_min(1).to(value.dtype)
+            return (value.sum(-2) / count).mean(0).squeeze(-1)
+        return self._aggregate_loss_value(value, mask, tensordict=tensordict)
 
     def _regularizers(
         self,
@@ -570,16 +574,24 @@ class GSPOTokenLoss(GSPOLoss):
     advantage_level: ClassVar[Literal["sequence", "token"]] = "token"
 
     def _objective(self, scores: Scores) -> torch.Tensor:
-        """GRPOLoss' clipped surrogate per token on :math:`\\log s_{i,t}`, ``[B, T, 1]``."""
+        r"""GRPOLoss' clipped surrogate per token on :math:`\log s_{i,t}`, ``[B, T, 1]``.
+
+        :math:`s_{i,t}` has the value :math:`s_i` on every token of a response, so the
+        ratio and its clipped value are computed once per response, ``[B, 1, 1]``; the
+        token's own ratio carries the gradient, :math:`\nabla s_{i,t} = s_i \nabla
+        \log \pi_\theta(y_{i,t})`. The pessimistic minimum is taken per token (the
+        advantage may change sign along a response), the unclipped term on ties,
+        where the two agree in value and gradient.
+        """
         log_ratio = scores.log_ratio.detach()
         log_ratio = log_ratio.clamp(min=torch.finfo(log_ratio.dtype).min, max=self.max_log_ratio)
-        log_ratio = log_ratio.unsqueeze(-1)
+        ratio = log_ratio.exp().reshape(-1, 1)
+        clipped = log_ratio.clamp(*self._clip_bounds).exp().reshape(-1, 1, 1) * scores.advantage
         # 0 off the mask (scores are); a token of probability 0 gives its sequence ratio
         # 0 and no gradient, as in GSPOLoss: its -inf - (-inf) = NaN becomes 0
         token = (scores.current - scores.current.detach()).nan_to_num(0.0)
         if self.max_log_ratio is not None:  # no gradient where GSPOLoss clamps either
-            token = token * (log_ratio < self.max_log_ratio)
-        loss, _ = self._compute_policy_objective(
-            (log_ratio + token).unsqueeze(-1), scores.advantage
-        )
-        return loss
+            token = token * (log_ratio < self.max_log_ratio).reshape(-1, 1)
+        # the value s_i (1 + 0) is s_i exactly, an overflowing s_i included
+        unclipped = (ratio * (token + 1)).unsqueeze(-1) * scores.advantage
+        return -torch.where(clipped < unclipped, clipped, unclipped)
