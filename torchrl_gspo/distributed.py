@@ -158,29 +158,11 @@ def all_reduce_diagnostics(
 
     Examples:
         >>> import torch
-        >>> from tensordict import TensorDict, lazy_stack
-        >>> from tokenizers import Tokenizer, models
-        >>> from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-        >>> from torchrl.modules.llm import TransformersWrapper
-        >>> from torchrl_gspo import GSPOLoss, all_reduce_diagnostics
-        >>> _ = torch.manual_seed(0)
-        >>> vocab = {f"t{i}": i for i in range(32)}
-        >>> tokenizer = PreTrainedTokenizerFast(
-        ...     tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t2")),
-        ...     pad_token="t0", eos_token="t1")
-        >>> config = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32,
-        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
-        >>> policy = TransformersWrapper(Qwen2ForCausalLM(config).eval(), tokenizer=tokenizer,
-        ...     input_mode="tokens", generate=False, return_log_probs=True, pad_output=False)
-        >>> pairs = [([5, 6, 7], [8, 9, 1]), ([5, 6], [10, 11, 12, 13, 1])]
-        >>> data = lazy_stack([
-        ...     TensorDict(tokens=TensorDict(prompt=torch.tensor(p), response=torch.tensor(r),
-        ...                                  full=torch.tensor(p + r)),
-        ...                advantage=torch.tensor([[a]]))
-        ...     for (p, r), a in zip(pairs, (1.0, -1.0))])
-        >>> with torch.no_grad():
-        ...     data = data.set("log_probs", policy(data.copy()).get("log_probs"))
-        >>> out = GSPOLoss(policy)(data)
+        >>> from torchrl_gspo import GSPOLossOutput, SequenceStatistics, all_reduce_diagnostics
+        >>> bounds = (torch.tensor(-3e-4), torch.tensor(4e-4))  # a loss' _clip_bounds
+        >>> stats = SequenceStatistics.of(torch.tensor([1e-4, -5e-4]), torch.tensor([3, 5]), bounds)
+        >>> out = GSPOLossOutput(loss_objective=torch.tensor(0.0), kl_approx=torch.tensor(0.0),
+        ...                      **stats.fields(), batch_size=[])  # as a loss returns it
         >>> # one process: the global values are the local ones
         >>> float(all_reduce_diagnostics(out).ESS) == float(out.ESS)
         True
