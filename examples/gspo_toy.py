@@ -522,6 +522,11 @@ class StepMetrics:
         (data,) = args
         seq = getattr(out, "sequence_log_ratio", None)
         own = getattr(out, "objective_diagnostic", None)  # GMPO, SAPO, VESPO's own
+        # the share of responses clipped whole: every segment (SubsequenceLoss), the
+        # one sequence ratio (GSPO's family); none for GRPO
+        whole = getattr(out, "whole_clip_fraction", None)
+        whole = getattr(out, "sequence_clip_fraction", None) if whole is None else whole
+        segments = getattr(out, "segments_per_sequence", None)
         self._minibatches.append(
             {
                 "loss": sum(v.item() for k, v in out.items() if k.startswith("loss_")),
@@ -529,6 +534,8 @@ class StepMetrics:
                 "ESS": float(out.ESS),
                 "sequence_log_ratio": None if seq is None else float(seq),
                 "objective_diagnostic": None if own is None else float(own),
+                "whole_clip_fraction": None if whole is None else float(whole),
+                "segments_per_sequence": None if segments is None else float(segments),
                 "rewards": data.get(("next", "reward"), as_list=True),
                 "lengths": [r.numel() for r in data.get(("tokens", "response"), as_list=True)],
             }
@@ -551,7 +558,10 @@ class StepMetrics:
                 k: _mean([mb[k] for mb in mbs])
                 for k in ("loss", "clip_fraction", "ESS", "sequence_log_ratio")
             },
-            "objective_diagnostic": _mean([mb["objective_diagnostic"] for mb in mbs]),
+            **{
+                k: _mean([mb[k] for mb in mbs])
+                for k in ("objective_diagnostic", "whole_clip_fraction", "segments_per_sequence")
+            },
             # the first minibatch of the batch, and the later, off-policy ones
             "clip_fraction_first": mbs[0]["clip_fraction"],
             "clip_fraction_off_policy": _mean([mb["clip_fraction"] for mb in mbs[1:]]),
@@ -654,7 +664,10 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
             "clip_fraction_off_policy_mean": _mean(
                 [r["clip_fraction_off_policy"] for r in records]
             ),
-            "objective_diagnostic_mean": _mean([r["objective_diagnostic"] for r in records]),
+            **{
+                f"{k}_mean": _mean([r.get(k) for r in records])
+                for k in ("objective_diagnostic", "whole_clip_fraction", "segments_per_sequence")
+            },
             "seconds": records[-1]["elapsed_s"],
         }
         if "rank_divergence" in records[-1]:  # under torchrun

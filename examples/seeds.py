@@ -135,6 +135,8 @@ REAL_METRICS = (
     "heldout_accuracy_after",
     "heldout_accuracy_gain",
     "reward_zero_fraction",
+    "whole_clip_fraction_mean",
+    "segments_per_sequence_mean",
 )
 REAL_SMOKE = ("--steps", "1", "--prompts", "1", "--group-size", "4", "--minibatches", "2")
 REAL_SMOKE += ("--heldout", "8", "--max-new-tokens", "12")
@@ -152,10 +154,13 @@ def _real(loss: str, *args: str, engine: str | None = None) -> Config:
 # GSPO, each at its own step size"): the sweep picks each loss's rate on the
 # validation set; the final runs score fresh seeds on the test set
 CALIBRATED = ("--task", "smaller", "--steps", "40", "--heldout", "256", "--eval-every", "10")
-# GSPO's 3e-6 is the registered edge extension: the rule picked 1e-6, the grid's top
+# GSPO's 3e-6 is the registered edge extension: the rule picked 1e-6, the grid's top;
+# sspo (SubsequenceLoss, its defaults: 4 equal segments, the 1/sqrt(L) band) registered
+# before its first record
 SWEEP_RATES = {
     "gspo": ("1e-7", "3e-7", "1e-6", "3e-6"),
     "grpo": ("3e-7", "1e-6", "3e-6", "1e-5"),
+    "sspo": ("1e-7", "3e-7", "1e-6", "3e-6"),
 }
 FINAL_PAIRS = (("gspo", "grpo"), ("sspo", "gspo"), ("sspo", "grpo"))  # sspo: a later issue
 # each loss' rate as the registered rule picked it from real-smaller-sweep's records
@@ -196,6 +201,7 @@ EXPERIMENTS = {
             "gspo": _real("gspo", *REAL_SMOKE),
             "gspo-smaller-validation": _calibrated("gspo", "1e-7", "validation", *REAL_SMOKE),
             "grpo-smaller-test": _calibrated("grpo", "1e-5", "test", *REAL_SMOKE),
+            "sspo-smaller-validation": _calibrated("sspo", "1e-7", "validation", *REAL_SMOKE),
         },
         REAL_METRICS,
         seeds=1,
