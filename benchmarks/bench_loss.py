@@ -98,6 +98,10 @@ GOALS = (
         for loss, bound in (("GSPOLoss", 1.10), ("GSPOTokenLoss", 1.20))
     ]
     + [
+        ("head", "16x1024", layout, "GSPOTokenLoss", "GRPOLoss", 1.10)
+        for layout in ("dense", "lazy")
+    ]
+    + [
         (mode, "16x1024", layout, "SubsequenceLoss", "GSPOLoss", 1.10)
         for mode, layout in (("head", "dense"), ("head", "lazy"), ("compiled", "dense"))
     ]
