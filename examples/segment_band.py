@@ -14,7 +14,9 @@ each with its default band (GSPO's at the response's full length, scaled by
 ``(|y| / L)^(1/2)``). It prints, per segmentation, the per-token clip fraction over
 all minibatches and over the off-policy ones (all but each batch's first), the share
 of clipped segments and of whole-clipped responses, and the median number of segments
-per response; and writes them to ``--out/segment_band.json``.
+per response; and writes them to ``--out/segment_band.json``. ``--band-scales c ...``
+scores each segmentation also with the band ``c * (3e-4, 4e-4)`` (named ``x c``): one
+run, a band's width chosen by measurement.
 
 Usage::
 
@@ -95,6 +97,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--segments", nargs="+", default=["1", "2", "4", "delimiters"])
+    parser.add_argument(
+        "--band-scales",
+        nargs="+",
+        type=float,
+        default=[1.0],
+        help="c: each segmentation is also scored with the band c * (3e-4, 4e-4)",
+    )
     parser.add_argument("--out", type=Path, default=Path("outputs/segment_band"))
     args = parser.parse_args(argv)
     real = [
@@ -116,12 +125,14 @@ def main(argv: list[str] | None = None) -> dict:
     policy = pipeline.loss_fn.actor_network
     ids = delimiter_token_ids(task.tokenizer)
     losses = {
-        (f"K={s}" if s.isdigit() else s): SubsequenceLoss(
+        (f"K={s}" if s.isdigit() else s) + ("" if c == 1 else f" x{c:g}"): SubsequenceLoss(
             policy,
             segments=int(s) if s.isdigit() else s,
             delimiter_ids=None if s.isdigit() else ids,
+            clip_epsilon=(3e-4 * c, 4e-4 * c),
             entropy_bonus=False,
         )
+        for c in args.band_scales
         for s in args.segments
     }
     probe = Probe(losses, config.minibatches, ids)
