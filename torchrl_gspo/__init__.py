@@ -21,6 +21,7 @@ from torchrl_gspo.moe import (
 )
 from torchrl_gspo.recompute import RecomputeOldLogProbs
 from torchrl_gspo.rollout import RolloutCorrection, RolloutTerms, rollout_terms
+from torchrl_gspo.sampler_audit import SamplerAudit, SamplerFinding
 from torchrl_gspo.sapo import SAPOLoss, SAPOLossOutput
 from torchrl_gspo.scores import Scores
 from torchrl_gspo.subsequence import SubsequenceLoss, SubsequenceLossOutput
@@ -47,6 +48,8 @@ __all__ = [
     "RoutingReplay",
     "SAPOLoss",
     "SAPOLossOutput",
+    "SamplerAudit",
+    "SamplerFinding",
     "Scores",
     "SegmentTerms",
     "SequenceStatistics",
