@@ -7,11 +7,14 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
+from llm_testing import tiny_qwen, training_wrapper, word_tokenizer
+from tensordict import TensorDict, lazy_stack
 
-from torchrl_gspo import SamplerAudit
+from torchrl_gspo import RecomputeOldLogProbs, SamplerAudit
 
 
 def sample(logits: torch.Tensor, kind: str, value: float, gen: torch.Generator) -> torch.Tensor:
@@ -157,3 +160,79 @@ def test_bad_arguments_are_refused(kwargs, match):
 def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match=r"logits \[N, V\] and tokens \[N\]"):
         SamplerAudit().update(torch.zeros(3, 5), torch.zeros(4, dtype=torch.long))
+
+
+PAD = 0  # word_tokenizer's pad, banned in generation and left out of the audit
+
+
+def sampled_batch(model, kind: str, value: float, rows: int = 8, length: int = 12, seed: int = 5):
+    """Responses drawn token by token from the model's logits by ``kind``, the pad (id
+    0) banned as the README bans it, as a lazily stacked batch of TorchRL's tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(rows):
+        ids = torch.tensor([3 + i % 4, 5, 7])
+        prompt = ids.clone()
+        with torch.no_grad():
+            for _ in range(length):
+                logits = model(ids.unsqueeze(0)).logits[0, -1:]
+                logits[:, PAD] = -math.inf
+                ids = torch.cat([ids, sample(logits, kind, value, gen)])
+        tokens = TensorDict(prompt=prompt, response=ids[len(prompt) :], full=ids)
+        out.append(TensorDict(tokens=tokens, advantage=torch.tensor([[1.0]])))
+    return lazy_stack(out)
+
+
+def audit_warnings(caught) -> list[str]:
+    """The audit's warnings among those caught (TorchRL's scorer warns of its own)."""
+    return [str(w.message) for w in caught if "sampled tokens were not drawn" in str(w.message)]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tokenizer = word_tokenizer(64)
+    model = tiny_qwen(tokenizer, seed=0)
+    return model, training_wrapper(model, tokenizer)
+
+
+def test_recompute_warns_once_naming_top_k(tiny):
+    """Through RecomputeOldLogProbs on a tiny Qwen2: responses sampled with top_k=3 of
+    64 tokens are flagged, top-k named, and the audit saw every response token."""
+    model, policy = tiny
+    audit = SamplerAudit(ranks=(1, 2, 3, 5, 10), banned_ids=[PAD])
+    recompute = RecomputeOldLogProbs(policy, sampler_audit=audit)
+    with pytest.warns(UserWarning, match=r"explains them best: top_k=3\b"):
+        recompute(sampled_batch(model, "top_k", 3))
+    assert audit.positions == 8 * 12
+    with warnings.catch_warnings(record=True) as caught:  # once per run
+        warnings.simplefilter("always")
+        recompute(sampled_batch(model, "top_k", 3, seed=6))
+    assert not audit_warnings(caught) and audit.finding().cause == "top_k"
+
+
+def test_recompute_sampling_the_scored_distribution_is_not_flagged(tiny):
+    model, policy = tiny
+    audit = SamplerAudit(ranks=(1, 2, 3, 5, 10), banned_ids=[PAD])
+    recompute = RecomputeOldLogProbs(policy, sampler_audit=audit, sampler_check="raise")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seed in (7, 8, 9):
+            recompute(sampled_batch(model, "full", 1.0, seed=seed))
+    assert not audit_warnings(caught) and audit.finding() is None and audit.positions == 3 * 8 * 12
+
+
+def test_recompute_raises_when_asked(tiny):
+    model, policy = tiny
+    recompute = RecomputeOldLogProbs(
+        policy, sampler_audit=SamplerAudit(ranks=(1, 2, 3), banned_ids=[PAD]), sampler_check="raise"
+    )
+    with pytest.raises(RuntimeError, match="top_k=2"):
+        recompute(sampled_batch(model, "top_k", 2))
+
+
+def test_recompute_refuses_bad_audit_arguments(tiny):
+    _, policy = tiny
+    with pytest.raises(ValueError, match="sampler_check"):
+        RecomputeOldLogProbs(policy, sampler_audit=SamplerAudit(), sampler_check="loud")
+    with pytest.raises(TypeError, match="SamplerAudit"):
+        RecomputeOldLogProbs(policy, sampler_audit=object())

@@ -6,11 +6,16 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase
 from tensordict.utils import NestedKey, unravel_key
 from torchrl.envs import Transform
 from torchrl.modules.llm import LLMWrapperBase
+
+from torchrl_gspo import _arguments
+from torchrl_gspo.sampler_audit import SamplerAudit
 
 __all__ = ["RecomputeOldLogProbs"]
 
@@ -67,6 +72,14 @@ class RecomputeOldLogProbs(Transform):
             response. Defaults to ``("tokens", "full")``.
         response_key (NestedKey, optional): the sampled responses, used by the
             check. Defaults to ``("tokens", "response")``.
+        sampler_audit (SamplerAudit, optional): a
+            :class:`~torchrl_gspo.SamplerAudit` that reads each batch's scored
+            logits at the sampled response tokens (from a second no-grad forward,
+            the wrapper's ``_get_sft_dist``, which GRPOLoss calls too) and tests
+            that they were sampled from that distribution. Defaults to ``None``.
+        sampler_check (str, optional): what a finding of the audit does:
+            ``"warn"`` (once per run), ``"raise"`` (all ranks) or ``"ignore"``.
+            Defaults to ``"warn"``.
 
     Examples:
         >>> import torch
@@ -112,7 +125,14 @@ class RecomputeOldLogProbs(Transform):
         out_key: NestedKey = "old_log_probs",
         tokens_key: NestedKey = ("tokens", "full"),
         response_key: NestedKey = ("tokens", "response"),
+        sampler_audit: SamplerAudit | None = None,
+        sampler_check: Literal["warn", "raise", "ignore"] = "warn",
     ) -> None:
+        _arguments.choice("sampler_check", sampler_check, ("warn", "raise", "ignore"))
+        if sampler_audit is not None and not isinstance(sampler_audit, SamplerAudit):
+            raise TypeError(
+                f"sampler_audit must be a torchrl_gspo.SamplerAudit, got {type(sampler_audit)}."
+            )
         for name, expected in _WRAPPER_SETTINGS:
             value = getattr(policy, name, expected)
             if value != expected:
@@ -128,6 +148,7 @@ class RecomputeOldLogProbs(Transform):
         self.out_key = unravel_key(out_key)
         self.tokens_key = unravel_key(tokens_key)
         self.response_key = unravel_key(response_key)
+        self.sampler_audit, self.sampler_check = sampler_audit, sampler_check
 
     def __call__(self, *args, **kwargs) -> TensorDictBase:
         # The whole call without gradients, its hooks included: a Routing Replay that a
@@ -156,8 +177,20 @@ class RecomputeOldLogProbs(Transform):
         with torch.no_grad():
             log_probs = self.policy(tensordict.copy()).get("log_probs")
         self._check(tensordict, log_probs.get("full", as_list=True))
+        if self.sampler_audit is not None and self.sampler_check != "ignore":
+            self._audit(tensordict)
         tensordict.set(self.out_key, log_probs)
         return tensordict
+
+    def _audit(self, tensordict: TensorDictBase) -> None:
+        """The scored logits at the sampled response tokens, into the audit."""
+        dist = self.policy._get_sft_dist(tensordict.copy())
+        tokens = tensordict.get(
+            self.tokens_key, as_padded_tensor=True, padding_side="left", padding_value=0
+        )
+        mask = dist.mask
+        self.sampler_audit.update(dist.logits[mask], tokens[mask])
+        self.sampler_audit.check(self.sampler_check)
 
     def _check(self, tensordict: TensorDictBase, rows: list[torch.Tensor]) -> None:
         if not isinstance(tensordict, LazyStackedTensorDict):

@@ -9,8 +9,12 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+import torch.distributed as dist
+
+from torchrl_gspo import _arguments
 
 __all__ = ["SamplerAudit", "SamplerFinding"]
 
@@ -118,6 +122,7 @@ class SamplerAudit:
 
     def reset(self) -> None:
         """Forgets every batch seen."""
+        self.warned = False  # warn once per run
         self.positions = 0
         self.log_likelihood = torch.zeros((), dtype=torch.float64)  # sum log pi(y)
         self.max_rank = 0
@@ -238,3 +243,31 @@ class SamplerAudit:
         fits["temperature"] = (float(self.temperatures[i]), float(self.log_ratio[i]))
         cause = max(fits, key=lambda name: fits[name][1])
         return cause, fits[cause][0]
+
+    def check(self, mode: Literal["warn", "raise", "ignore"] = "warn") -> SamplerFinding | None:
+        """:meth:`finding`, acted on: warn once per run, raise, or neither.
+
+        ``"raise"`` agrees across the ranks of an initialized process group first
+        (every rank raises when one has a finding), so one rank's error does not
+        leave the others waiting in the next collective.
+
+        Args:
+            mode (str, optional): ``"warn"``, ``"raise"`` or ``"ignore"``. Defaults to
+                ``"warn"``.
+
+        Returns:
+            SamplerFinding | None: the finding.
+        """
+        _arguments.choice("sampler_check", mode, ("warn", "raise", "ignore"))
+        finding = self.finding()
+        if mode == "raise":
+            found = torch.tensor(float(finding is not None))
+            if dist.is_available() and dist.is_initialized():
+                dist.all_reduce(found, op=dist.ReduceOp.MAX)
+            if found:
+                message = finding.message if finding else "another rank's sampler audit failed"
+                raise RuntimeError(f"SamplerAudit: {message}")
+        elif mode == "warn" and finding is not None and not self.warned:
+            _arguments.warn(finding.message)
+            self.warned = True
+        return finding
