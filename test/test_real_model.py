@@ -246,8 +246,9 @@ def test_engine_step_on_the_real_model(real, tmp_path, correction, band):
 
 def test_real_smoke_run_of_the_runner(real, tmp_path):
     """``seeds.py real-smoke``: one seed, one step per configuration (the first
-    experiments' task, and the calibrated task on each evaluation set), the records'
-    fields, their settings and their committed per-step logs."""
+    experiments' task, and the calibrated task on each evaluation set, the subsequence
+    objective's included), the records' fields, their settings and their committed
+    per-step logs."""
     result = seeds.main(["real-smoke", "--out", str(tmp_path), "--jobs", "1"])
     records = {r["config"]: r for r in map(json.loads, (tmp_path / "results.jsonl").open())}
     assert set(records) == set(seeds.EXPERIMENTS["real-smoke"].configs)
@@ -255,6 +256,7 @@ def test_real_smoke_run_of_the_runner(real, tmp_path):
         "gspo": ("addition", "validation", "gspo", 3e-7),
         "gspo-smaller-validation": ("smaller", "validation", "gspo", 1e-7),
         "grpo-smaller-test": ("smaller", "test", "grpo", 1e-5),
+        "sspo-smaller-validation": ("smaller", "validation", "sspo", 1e-7),
     }
     for name, record in records.items():
         assert record["seed"] == 0
@@ -276,6 +278,9 @@ def test_real_smoke_run_of_the_runner(real, tmp_path):
         with gzip.open(tmp_path / "logs" / f"{name}-seed0.jsonl.gz", "rt") as log:
             steps = [json.loads(line) for line in log]
         assert [s["reward"] for s in steps] == record["curve"]
+        # the share of responses clipped whole: GSPO's family has one, GRPO none
+        assert (steps[0]["whole_clip_fraction"] is None) == (loss == "grpo")
+        assert (steps[0]["segments_per_sequence"] is None) == (loss != "sspo")
     assert result["configs"]["gspo"]["reward_auc"]["n"] == 1
 
 
