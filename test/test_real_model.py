@@ -494,3 +494,21 @@ def test_segment_band_smoke(tmp_path, real):
     for row in rows.values():
         assert all(0 <= row[f] <= 1 for f in segment_band.FIELDS)
     assert json.loads((tmp_path / "segment_band.json").read_text()) == result
+
+
+def test_sampler_audit_on_the_real_model(real):
+    """examples/sampler_audit.py, one batch of 16 responses per sampler: transformers'
+    default top_k=50 is flagged with top-k 50 named; full sampling is not flagged."""
+    sampler_audit, gspo_real = example("sampler_audit"), example("gspo_real")
+    model, tokenizer = real
+    prompts = gspo_real.render(tokenizer, "smaller", gspo_real.problems("smaller").train[:16])
+    torch.manual_seed(0)
+    top_k = sampler_audit.audit_sampler(
+        model, tokenizer, prompts, sampler_audit.SAMPLERS["top_k=50"], batches=1
+    )
+    assert top_k["flagged"] == {"batch": 1, "cause": "top_k", "estimate": 50.0}
+    assert top_k["max_rank"] <= 50
+    full = sampler_audit.audit_sampler(
+        model, tokenizer, prompts, sampler_audit.SAMPLERS["full"], batches=1
+    )
+    assert full["flagged"] is None and full["max_rank"] > 50
