@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torchrl_gspo import (
     GlobalBatchStepper,
     GSPOLoss,
+    SamplerAudit,
     SequenceStatistics,
     SubsequenceLoss,
     all_reduce_diagnostics,
@@ -251,4 +252,34 @@ def worker(rank: int, world: int, port: int, directory: str) -> None:
         torch.save(results, path / f"rank{rank}.pt")
     finally:
         gc.collect()  # DDP wrappers left in reference cycles go while the group lives
+        dist.destroy_process_group()
+
+
+def audit_worker(rank: int, world: int, port: int, directory: str) -> None:
+    """Rank 0 audits tokens sampled with top-k 3, the others full sampling; every rank
+    calls ``check("raise")`` and saves the error it got (or ``None``)."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        gen = torch.Generator().manual_seed(rank)
+        logits = torch.randn(200, 50, generator=gen)
+        probs = logits.softmax(-1)
+        if rank == 0:
+            top = probs.topk(3, -1)
+            probs = torch.zeros_like(probs).scatter(-1, top.indices, top.values)
+        tokens = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+        audit = SamplerAudit(ranks=(1, 3, 10))
+        audit.update(logits, tokens)
+        error = None
+        try:
+            audit.check("raise")
+        except RuntimeError as caught:
+            error = str(caught)
+        dist.barrier()  # every rank got here: none is left waiting
+        torch.save({"error": error}, Path(directory) / f"audit{rank}.pt")
+    finally:
         dist.destroy_process_group()

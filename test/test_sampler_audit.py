@@ -236,3 +236,29 @@ def test_recompute_refuses_bad_audit_arguments(tiny):
         RecomputeOldLogProbs(policy, sampler_audit=SamplerAudit(), sampler_check="loud")
     with pytest.raises(TypeError, match="SamplerAudit"):
         RecomputeOldLogProbs(policy, sampler_audit=object())
+
+
+def test_raise_agrees_across_ranks(tmp_path):
+    """Two gloo processes on 127.0.0.1: only rank 0's tokens were truncated, and both
+    ranks raise, rank 1 naming the other rank, so neither waits for the other."""
+    import socket
+    import time
+
+    import torch.multiprocessing as mp
+    from distributed_workers import audit_worker
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.start_processes(
+        audit_worker, args=(2, port, str(tmp_path)), nprocs=2, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + 120
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("the audit workers did not finish in 120 s")
+    errors = [torch.load(tmp_path / f"audit{r}.pt")["error"] for r in range(2)]
+    assert "top_k=3" in errors[0]
+    assert "another rank's sampler audit failed" in errors[1]
