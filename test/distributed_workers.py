@@ -228,13 +228,18 @@ def _qwen_fsdp_stepper(spec: dict, rank: int) -> dict:
     return {n: before[n] - p.full_tensor().detach() for n, p in model.named_parameters()}
 
 
-def worker(rank: int, world: int, port: int, directory: str) -> None:
+def _join(rank: int, world: int, port: int) -> None:
+    """This process as ``rank`` of a gloo group on 127.0.0.1, one CPU thread."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
     )
+
+
+def worker(rank: int, world: int, port: int, directory: str) -> None:
+    _join(rank, world, port)
     try:
         path = Path(directory)
         spec = torch.load(path / "spec.pt", weights_only=False)
@@ -258,12 +263,7 @@ def worker(rank: int, world: int, port: int, directory: str) -> None:
 def audit_worker(rank: int, world: int, port: int, directory: str) -> None:
     """Rank 0 audits tokens sampled with top-k 3, the others full sampling; every rank
     calls ``check("raise")`` and saves the error it got (or ``None``)."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
-    )
+    _join(rank, world, port)
     try:
         gen = torch.Generator().manual_seed(rank)
         logits = torch.randn(200, 50, generator=gen)
